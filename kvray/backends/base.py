@@ -1,0 +1,95 @@
+"""The backend contract: one batched async interface every storage backend implements.
+
+Threading: an adapter owns a bounded thread pool and runs the native client's blocking
+batch calls there (the native calls release the GIL), so its coroutines never block the
+actor's event loop. Several batches may be in flight at once.
+
+Error granularity:
+- per key: the outcome of each key of a batch is a :class:`KeyStatus` in the returned
+  list (missing key, pool full, transfer failed, ...). Native return codes never escape
+  an adapter.
+- per batch: when the backend as a whole cannot serve (server unreachable, client not set
+  up, call timed out) the coroutine raises
+  :class:`~kvray.errors.BackendUnavailableError`.
+
+Write semantics are explicit: ``put(..., overwrite=False)`` is first-write-wins (an
+existing key keeps its bytes and reports ``OK``); ``overwrite=True`` replaces it. A key
+is stored whole or not at all: a failed key is absent, never half-written.
+
+Memory: ``put`` reads and ``get`` writes raw addresses given as ``(ptr, size)`` pieces
+per key; addresses must lie in memory registered with :meth:`register_region`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+Pieces = Sequence[Sequence[int]]
+"""Per key, the addresses (or sizes) of its pieces, in order."""
+
+
+class KeyStatus(enum.Enum):
+    """Outcome of one key in a batch."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    """get: the key is absent (never stored, evicted, or its owner left)."""
+    POOL_FULL = "pool_full"
+    """put: no space; the key was not written."""
+    BUSY = "busy"
+    """remove: the key is leased by a reader; retry later or force."""
+    TRANSFER_FAILED = "transfer_failed"
+    """bytes did not move (peer gone, lease expired, ...); destination must not be used."""
+    SIZE_MISMATCH = "size_mismatch"
+    """get: the stored object's size differs from the destination's."""
+    INVALID = "invalid"
+    """the backend rejected the key or arguments."""
+    ERROR = "error"
+    """any other backend failure for this key."""
+
+
+class Backend(abc.ABC):
+    """A storage backend client, owned by one BackendClient (or Lookup) actor."""
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys are present. A per-key backend error reads as absent."""
+
+    @abc.abstractmethod
+    async def put(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+    ) -> list[KeyStatus]:
+        """Store each key from its pieces (concatenated in order)."""
+
+    @abc.abstractmethod
+    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+        """Read each key into its pieces; ``OK`` only if every byte arrived."""
+
+    @abc.abstractmethod
+    async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
+        """Remove keys; ``NOT_FOUND`` for absent ones, ``BUSY`` for leased ones."""
+
+    @abc.abstractmethod
+    async def register_region(self, ptr: int, size: int) -> None:
+        """Make ``[ptr, ptr+size)`` usable for zero-copy transfers."""
+
+    @abc.abstractmethod
+    async def unregister_region(self, ptr: int) -> None:
+        """Undo :meth:`register_region`."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """Whether the client can reach its servers right now."""
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """Static facts for status output (segment name, sizes, server address)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the client; further calls raise BackendUnavailableError."""

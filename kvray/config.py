@@ -1,0 +1,366 @@
+"""Typed configuration, validated at load time.
+
+Three models, each ``extra="forbid"`` so that a typo fails when the config is read,
+not an hour into serving:
+
+- :class:`MooncakeConfig`: the Mooncake client, loaded from ``mooncake.json`` (the file
+  ``MOONCAKE_CONFIG_PATH`` names) exactly as vLLM-Ascend deployments write it.
+- :class:`ConnectorConfig`: the ``kv_connector_extra_config`` keys, the same as
+  AscendStoreConnector's, plus kvray's own.
+- :class:`PoolConfig`: one pool: its name, ranks, backend section, embedded servers.
+
+The environment is read once, at the edge (``from_env``), never at import time.
+
+Precedence for Mooncake (highest first): ``MOONCAKE_MASTER`` and
+``MOONCAKE_GLOBAL_SEGMENT_SIZE`` environment variables, then ``mooncake.json``, then
+the defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kvray.errors import ConfigError
+from kvray.sizes import parse_size
+
+_M = TypeVar("_M", bound=BaseModel)
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+Protocol = Literal["tcp", "rdma", "ascend"]
+
+
+def _size(value: Any) -> Any:
+    # pydantic reports the field name itself; keep the message about the value.
+    return parse_size(value, field="value") if isinstance(value, int | str) else value
+
+
+ByteSize = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+
+
+def parse_host_port(value: str, *, field: str) -> tuple[str, int]:
+    """Split ``host:port``; raise ``ValueError`` naming ``field`` if malformed."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(
+            f"{field}: expected 'host:port' with a port in 1..65535, got {value!r} "
+            "(for example '127.0.0.1:50051')"
+        )
+    return host.strip("[]"), int(port_s)
+
+
+def _host_port(value: Any) -> Any:
+    if isinstance(value, str):
+        parse_host_port(value, field="value")
+    return value
+
+
+HostPort = Annotated[str, BeforeValidator(_host_port)]
+
+
+def detect_protocol(
+    dev_root: Path = Path("/dev"), ib_root: Path = Path("/sys/class/infiniband")
+) -> Protocol:
+    """Pick Mooncake's transport by hardware: Ascend NPUs -> ``ascend``, RDMA NICs ->
+    ``rdma``, otherwise ``tcp``. Looks at device nodes only (no driver import)."""
+    if any(dev_root.glob("davinci[0-9]*")):
+        return "ascend"
+    if ib_root.is_dir() and any(ib_root.iterdir()):
+        return "rdma"
+    return "tcp"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class MooncakeConfig(_Strict):
+    """The Mooncake client, as ``mooncake.json`` describes it."""
+
+    metadata_server: str = "P2PHANDSHAKE"
+    """Transfer-engine metadata: ``P2PHANDSHAKE`` (no server), ``http://host:port/metadata``
+    or an etcd address."""
+    protocol: Protocol = Field(default_factory=detect_protocol)
+    """Transport: ``tcp``, ``rdma`` or ``ascend``. Default chosen by hardware."""
+    device_name: str = ""
+    """RDMA device list (e.g. ``mlx5_0,mlx5_1``); empty lets Mooncake choose."""
+    master_server_address: HostPort | None = None
+    """``host:port`` of a running ``mooncake_master``. Unset: kvray runs one itself."""
+    global_segment_size: ByteSize = GiB
+    """Memory each BackendClient contributes to the pool ("1GB", "1024MB", int bytes)."""
+    local_buffer_size: ByteSize = 256 * MiB
+    """Client-local transfer buffer Mooncake allocates for its own copies."""
+    preferred_segment: bool = False
+    """Place every put in this rank's own segment (reads stay process-local)."""
+    prefer_alloc_in_same_node: bool = True
+    """Prefer segments on the writer's node. Mooncake 0.3.13 rejects this flag on its
+    zero-copy batch puts, so kvray implements it by preferring the local segment."""
+    local_hostname: str = "127.0.0.1"
+    """Address this client advertises to peers (the node's address on a real cluster)."""
+    fabric_mem: bool = False
+    """``ASCEND_ENABLE_USE_FABRIC_MEM=1``: segments must be multiples of 1 GiB."""
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _segment_min(cls, v: int) -> int:
+        if v != 0 and v < 1024:
+            raise ValueError("must be 0 (a client that contributes no memory) or at least 1KB")
+        return v
+
+    @field_validator("local_buffer_size")
+    @classmethod
+    def _buffer_min(cls, v: int) -> int:
+        if v != 0 and v < 1024:
+            raise ValueError("must be 0 or at least 1KB")
+        return v
+
+    @model_validator(mode="after")
+    def _fabric_alignment(self) -> MooncakeConfig:
+        if self.fabric_mem and self.global_segment_size % GiB:
+            raise ValueError(
+                "global_segment_size must be a multiple of 1GB when "
+                f"ASCEND_ENABLE_USE_FABRIC_MEM=1, got {self.global_segment_size} bytes "
+                "(write e.g. '1GB' or '2GB'; '1280MB' or '1.5GB' fail in aclrtMapMem)"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MooncakeConfig:
+        """Load as deployments do: ``MOONCAKE_CONFIG_PATH`` json, then env overrides."""
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        source = "defaults"
+        path = env.get("MOONCAKE_CONFIG_PATH")
+        if path is not None:
+            data = _read_json(path, "MOONCAKE_CONFIG_PATH")
+            source = path
+        for var, fld in (
+            ("MOONCAKE_MASTER", "master_server_address"),
+            ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "global_segment_size"),
+        ):
+            if var in env:
+                if not env[var].strip():
+                    raise ConfigError(f"{var} is set but empty: unset it or give a value for {fld}")
+                data[fld] = env[var]
+        if env.get("ASCEND_ENABLE_USE_FABRIC_MEM") == "1":
+            data["fabric_mem"] = True
+        return validate(cls, data, source=f"mooncake config ({source})")
+
+
+class MooncakeMasterConfig(_Strict):
+    """Flags of the ``mooncake_master`` kvray runs itself (embedded default)."""
+
+    eviction_high_watermark_ratio: float = Field(0.9, gt=0, le=1)
+    """Start evicting when this fraction of the pool is used."""
+    eviction_ratio: float = Field(0.05, gt=0, le=1)
+    """Fraction of objects evicted per eviction round."""
+    default_kv_lease_ttl_ms: int = Field(5000, ge=1)
+    """Read lease granted by get/exists: the pin that keeps a lookup hit loadable."""
+    client_ttl_s: int = Field(10, ge=1)
+    """Seconds a silent client's segment stays mounted before the master drops it."""
+    extra_args: tuple[str, ...] = ()
+    """Further ``--flag=value`` arguments passed through verbatim."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            if not arg.startswith("--") or "=" not in arg:
+                raise ValueError(f"each extra arg must look like '--flag=value', got {arg!r}")
+        return v
+
+
+def _partition(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return value
+
+
+class ConnectorConfig(_Strict):
+    """``kv_connector_extra_config``: AscendStoreConnector's keys plus kvray's own.
+
+    Existing AscendStoreConnector deployments switch by changing the connector name;
+    the keys below keep their meaning.
+    """
+
+    backend: Literal["mooncake"] = "mooncake"
+    """Storage backend of the pool."""
+    lookup_rpc_port: int = Field(0, ge=0, le=65535)
+    """Distinguishes the lookup services of several engine instances on one node
+    (AscendStoreConnector's lookup socket). kvray names the Lookup actors with it."""
+    load_async: bool = False
+    """Load pool hits asynchronously (reported through ``get_finished``)."""
+    consumer_is_to_put: bool = False
+    """A ``kv_consumer`` also stores its blocks to the pool."""
+    consumer_is_to_load: bool = False
+    """A ``kv_consumer`` also loads prefix hits from the pool."""
+    prefill_pp_size: int = Field(1, ge=1)
+    """Pipeline-parallel size of the prefill instance a decode node stores for."""
+    prefill_pp_layer_partition: Annotated[str | None, BeforeValidator(_partition)] = None
+    """Layers per prefill PP stage, e.g. ``"30,31"``; must sum to the model's layers."""
+    pool_name: str = "kvray"
+    """Name of the kvray pool (its Ray actors) to use."""
+    namespace: str = "kvray"
+    """Ray namespace of the pool's actors."""
+    ray_address: str | None = None
+    """Ray cluster to join from multiprocessing-executor workers (default: ``auto``)."""
+    lookup_timeout_ms: float = Field(200.0, gt=0)
+    """A lookup slower than this is a miss, never a stall."""
+
+    @field_validator("prefill_pp_layer_partition")
+    @classmethod
+    def _partition_format(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = [p.strip() for p in v.split(",")]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(
+                f"expected comma-separated positive layer counts like '30,31', got {v!r}"
+            )
+        return ",".join(parts)
+
+    @model_validator(mode="after")
+    def _partition_size(self) -> ConnectorConfig:
+        if self.prefill_pp_layer_partition is not None:
+            n = len(self.prefill_pp_layer_partition.split(","))
+            if n != self.prefill_pp_size:
+                raise ValueError(
+                    f"prefill_pp_layer_partition has {n} stages but prefill_pp_size is "
+                    f"{self.prefill_pp_size}: give one layer count per prefill PP stage"
+                )
+        return self
+
+    def layer_partition(self, num_layers: int) -> list[int]:
+        """Layers per prefill PP stage; default split as even as possible."""
+        if self.prefill_pp_layer_partition is None:
+            base, rest = divmod(num_layers, self.prefill_pp_size)
+            return [base + (1 if i < rest else 0) for i in range(self.prefill_pp_size)]
+        parts = [int(p) for p in self.prefill_pp_layer_partition.split(",")]
+        if sum(parts) != num_layers:
+            raise ConfigError(
+                f"prefill_pp_layer_partition {self.prefill_pp_layer_partition!r} sums to "
+                f"{sum(parts)} layers but the model has {num_layers}"
+            )
+        return parts
+
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+
+class PoolConfig(_Strict):
+    """One kvray pool: its actors, ranks, backend and embedded servers."""
+
+    name: str = Field("kvray", pattern=_NAME_PATTERN)
+    """Pool name; actors are named ``<name>.<role>.<rank>``."""
+    namespace: str = Field("kvray", pattern=_NAME_PATTERN)
+    """Ray namespace of the pool's actors."""
+    backend: Literal["mooncake"] = "mooncake"
+    """Storage backend."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """Ranks (TP x PP x DP workers) the pool serves; one BackendClient + Lookup each."""
+    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
+    """Mooncake client settings (``mooncake.json``)."""
+    master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
+    """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy for the per-rank bundles."""
+    cpus_per_rank: float = Field(0.1, ge=0)
+    """CPU reserved per rank bundle (shared by its BackendClient and Lookup actors)."""
+    io_threads: int = Field(4, ge=1, le=64)
+    """Threads each BackendClient uses for the backend's blocking batch calls."""
+    transfer_window_size: ByteSize = 64 * MiB
+    """Shared-memory staging window per Pool client and rank (copies of foreign tensors)."""
+    call_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of one data-plane actor call (a whole batch)."""
+    lookup_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one Pool API lookup call."""
+    detached: bool = True
+    """Pool actors outlive the process that started them (``kvray down`` stops them)."""
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+    ) -> PoolConfig:
+        """Load a pool config (JSON or YAML); without a ``mooncake`` section the Mooncake
+        settings come from ``MOONCAKE_CONFIG_PATH`` and the environment."""
+        data = (
+            _read_json(str(path), "--config")
+            if str(path).endswith(".json")
+            else _read_yaml(str(path))
+        )
+        return cls.from_dict(data, environ, source=str(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        source: str = "pool config",
+    ) -> PoolConfig:
+        data = dict(data or {})
+        if "mooncake" not in data:
+            data["mooncake"] = MooncakeConfig.from_env(environ)
+        return validate(cls, data, source=source)
+
+
+def validate(model: type[_M], data: Mapping[str, Any], *, source: str) -> _M:
+    """Validate ``data`` into ``model``; a failure is one :class:`ConfigError` that lists
+    every bad field by its dotted path."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                allowed = ", ".join(sorted(model.model_fields))
+                msg = f"unknown field (a typo?); allowed here: {allowed}"
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {path!r}: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: {path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml  # ships with ray[default]
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path!r} must hold a mapping")
+    return data

@@ -1,0 +1,196 @@
+"""Block keys: which block of which rank's KV a pool object holds.
+
+A key names the model/namespace, the KV layout (dtype, block size, KV heads per rank,
+head size), the TP/head-group rank, the PP rank and the block hash::
+
+    <namespace>@<layout>@tp<r>@pp<p>@<sha256 hex>
+    Qwen/Qwen3-8B@bfloat16-b128-h8x128@tp0@pp0@9f86d08...
+
+Hashing is a pure function of its inputs and an explicit seed: it never depends on
+``PYTHONHASHSEED`` or on the process. :func:`probe_hash` is what every rank computes at
+start so that kvray can refuse to run when two ranks would derive different keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from kvray.errors import KeyFormatError
+
+BlockHash = NewType("BlockHash", bytes)
+"""A block hash: 32 bytes of sha256 (vLLM's ``Request.block_hashes`` or kvray's own)."""
+
+KEY_SCHEMA_VERSION = 1
+"""Bumped whenever key strings or block hashing change meaning."""
+
+ROOT_SEED = b"kvray-block-hash-v1"
+"""Default seed of a hash chain's first block."""
+
+_SEP = "@"
+_NAMESPACE_RE = re.compile(r"^[^\s@]{1,200}$")
+_LAYOUT_RE = re.compile(r"^[a-z0-9]+-b\d+-h\d+x\d+$")
+_KEY_RE = re.compile(
+    r"^(?P<ns>[^\s@]{1,200})@(?P<layout>[a-z0-9]+-b\d+-h\d+x\d+)"
+    r"@tp(?P<tp>\d+)@pp(?P<pp>\d+)@(?P<hash>[0-9a-f]{2,128})$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one rank stores one block: part of every key, so that engines with another
+    dtype, block size or head split never read each other's bytes."""
+
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]+", self.dtype):
+            raise KeyFormatError(
+                f"KVLayout.dtype must be a lowercase name like 'bfloat16', got {self.dtype!r}"
+            )
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise KeyFormatError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
+
+    def tag(self) -> str:
+        return f"{self.dtype}-b{self.block_size}-h{self.num_kv_heads}x{self.head_size}"
+
+    @classmethod
+    def from_tag(cls, tag: str) -> KVLayout:
+        m = re.fullmatch(r"([a-z0-9]+)-b(\d+)-h(\d+)x(\d+)", tag)
+        if m is None:
+            raise KeyFormatError(f"not a layout tag: {tag!r} (expected e.g. 'float16-b128-h8x128')")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """The key of one block of one rank."""
+
+    namespace: str
+    layout: str
+    tp_rank: int
+    pp_rank: int
+    block_hash: BlockHash
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.match(self.namespace):
+            raise KeyFormatError(
+                f"BlockKey.namespace must be 1-200 characters without '@' or whitespace, "
+                f"got {self.namespace!r}"
+            )
+        if not _LAYOUT_RE.match(self.layout):
+            raise KeyFormatError(f"BlockKey.layout must be a KVLayout tag, got {self.layout!r}")
+        if self.tp_rank < 0 or self.pp_rank < 0:
+            raise KeyFormatError(
+                f"BlockKey ranks must be >= 0, got tp={self.tp_rank} pp={self.pp_rank}"
+            )
+        if not isinstance(self.block_hash, bytes) or not 1 <= len(self.block_hash) <= 64:
+            raise KeyFormatError("BlockKey.block_hash must be 1-64 bytes")
+
+    def to_str(self) -> str:
+        return (
+            f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{self.tp_rank}{_SEP}"
+            f"pp{self.pp_rank}{_SEP}{self.block_hash.hex()}"
+        )
+
+    @classmethod
+    def from_str(cls, s: str) -> BlockKey:
+        m = _KEY_RE.match(s)
+        if m is None or len(m.group("hash")) % 2:
+            raise KeyFormatError(f"not a kvray block key: {s!r}")
+        return cls(
+            m.group("ns"),
+            m.group("layout"),
+            int(m.group("tp")),
+            int(m.group("pp")),
+            BlockHash(bytes.fromhex(m.group("hash"))),
+        )
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """All keys of one engine instance: namespace, layout and parallel shape.
+
+    An instance's rank ``r`` is ``pp_rank * tp_size + tp_rank`` (vLLM's order). A block
+    counts as present for the instance only if every rank stored it.
+    """
+
+    namespace: str
+    layout: str
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise KeyFormatError(
+                f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size}"
+            )
+        # Validate namespace and layout once, through a probe key.
+        BlockKey(self.namespace, self.layout, 0, 0, BlockHash(b"\0"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def key(self, block_hash: bytes, tp_rank: int = 0, pp_rank: int = 0) -> BlockKey:
+        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
+            raise KeyFormatError(
+                f"rank tp={tp_rank} pp={pp_rank} is outside "
+                f"tp_size={self.tp_size} pp_size={self.pp_size}"
+            )
+        return BlockKey(self.namespace, self.layout, tp_rank, pp_rank, BlockHash(block_hash))
+
+    def rank_key_strs(self, hashes: Sequence[bytes], rank: int) -> list[str]:
+        """Key strings of ``hashes`` for one instance rank; the hot path of lookups."""
+        pp_rank, tp_rank = divmod(rank, self.tp_size)
+        prefix = f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}"
+        return [prefix + h.hex() for h in hashes]
+
+
+def hash_block(
+    parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"", *, seed: bytes = ROOT_SEED
+) -> BlockHash:
+    """sha256 of (parent hash or seed, token ids, extra keys such as LoRA or media).
+
+    Token ids are encoded as little-endian int64: identical in every process.
+    """
+    h = hashlib.sha256()
+    head = parent if parent is not None else seed
+    h.update(struct.pack("<I", len(head)))
+    h.update(head)
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    h.update(struct.pack("<I", len(extra)))
+    h.update(extra)
+    return BlockHash(h.digest())
+
+
+def chain_block_hashes(
+    token_ids: Sequence[int], block_size: int, *, seed: bytes = ROOT_SEED
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids``, each chained on its predecessor, so a
+    block's hash names the whole prefix up to it (a partial last block gets none)."""
+    if block_size <= 0:
+        raise KeyFormatError(f"block_size must be > 0, got {block_size}")
+    out: list[BlockHash] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], seed=seed)
+        out.append(parent)
+    return out
+
+
+def probe_hash() -> str:
+    """What every rank computes at start; ranks that disagree must not share a pool."""
+    hashes = chain_block_hashes(list(range(64)), 16)
+    return f"v{KEY_SCHEMA_VERSION}:{hashes[-1].hex()}"

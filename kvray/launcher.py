@@ -1,0 +1,276 @@
+"""Starting, attaching to and stopping a pool's Ray actors.
+
+All Ray placement decisions are made here, and this is the only module of the ``kvray``
+package that imports the actor shells of ``kvray.actors``.
+
+A pool is: a placement group with one bundle per rank, a PoolManager actor (the spec,
+and the embedded ``mooncake_master`` when no master address is configured) and, per
+rank, a BackendClient actor and a Lookup actor in that rank's bundle. Every actor is
+named and namespaced; starting is idempotent (``get_if_exists``) and refuses a running
+pool of the same name with a different config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvray.config import PoolConfig
+from kvray.errors import (
+    BackendUnavailableError,
+    HashMismatchError,
+    PoolConflictError,
+    PoolNotFoundError,
+)
+from kvray.keys import probe_hash
+from kvray.naming import (
+    backend_name,
+    lookup_name,
+    manager_name,
+    placement_group_name,
+    region_prefix,
+)
+from kvray.shm import remove_leftovers
+
+logger = logging.getLogger(__name__)
+
+# Start-up of one actor is ~2 s on a loaded 2-core machine; setups that take longer
+# than this are broken, not slow.
+_START_TIMEOUT_S = 120.0
+_ACTOR_ENV = {
+    # Fail a Mooncake setup against an unreachable master in seconds, not ~90 s.
+    "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+}
+
+
+@dataclass
+class PoolHandles:
+    """The running actors of one pool."""
+
+    config: PoolConfig
+    server_address: str
+    embedded: bool
+    manager: Any
+    backends: list[Any]
+    lookups: list[Any]
+
+
+def _actor_error(exc: BaseException) -> str:
+    """The line of a dead actor's creation error that names kvray's exception."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        if "Error" in line and ":" in line:
+            return line.strip()
+    return text.strip().splitlines()[-1] if text.strip() else repr(exc)
+
+
+def _get_placement_group(config: PoolConfig) -> PlacementGroup:
+    name = placement_group_name(config.name)
+    try:
+        existing: PlacementGroup = ray.util.get_placement_group(name)
+        return existing
+    except ValueError:
+        pass
+    pg = placement_group(
+        [{"CPU": config.cpus_per_rank}] * config.world_size,
+        strategy=config.placement_strategy,
+        name=name,
+        lifetime="detached" if config.detached else None,
+    )
+    try:
+        ray.get(pg.ready(), timeout=_START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as exc:
+        remove_placement_group(pg)
+        raise BackendUnavailableError(
+            f"placement group for {config.world_size} ranks x {config.cpus_per_rank} CPU "
+            f"({config.placement_strategy}) could not be placed in {_START_TIMEOUT_S:.0f} s: "
+            "the cluster lacks the resources; lower cpus_per_rank or add nodes"
+        ) from exc
+    created: PlacementGroup = pg
+    return created
+
+
+def _options(config: PoolConfig, name: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": config.namespace,
+        "get_if_exists": True,
+        "lifetime": "detached" if config.detached else None,
+        "runtime_env": {"env_vars": dict(_ACTOR_ENV)},
+        **kw,
+    }
+
+
+def launch(config: PoolConfig) -> PoolHandles:
+    """Start the pool ``config`` describes, or return the running one of that name."""
+    from kvray.actors.backend_client import BackendClientActor
+    from kvray.actors.lookup import LookupActor
+    from kvray.actors.manager import PoolManagerActor
+
+    if not ray.is_initialized():
+        raise BackendUnavailableError(
+            "Ray is not initialized: call ray.init() (or kvray.ray_env.ray_init()) first"
+        )
+    started = time.monotonic()
+    config_json = config.model_dump_json()
+    pg = _get_placement_group(config)
+    created: list[Any] = []
+    try:
+        manager = (
+            ray.remote(PoolManagerActor)
+            .options(
+                **_options(
+                    config,
+                    manager_name(config.name),
+                    num_cpus=0,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+                )
+            )
+            .remote(config_json)
+        )
+        created.append(manager)
+        try:
+            spec = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            raise BackendUnavailableError(
+                f"pool manager failed to start: {_actor_error(exc)}"
+            ) from exc
+        if spec["config_json"] != config_json:
+            created.clear()  # not ours to tear down
+            raise PoolConflictError(
+                f"pool {config.name!r} already runs in namespace {config.namespace!r} with a "
+                "different config: attach to it (Pool.attach / kvray status), stop it "
+                "(kvray down), or choose another name"
+            )
+        address = spec["server_address"]
+        per_actor_cpu = config.cpus_per_rank / 2
+        backends, lookups = [], []
+        for rank in range(config.world_size):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            backends.append(
+                ray.remote(BackendClientActor)
+                .options(
+                    **_options(
+                        config,
+                        backend_name(config.name, rank),
+                        num_cpus=per_actor_cpu,
+                        scheduling_strategy=strategy,
+                        max_restarts=-1,
+                        max_task_retries=3,
+                        max_concurrency=32,
+                    )
+                )
+                .remote(config_json, rank, address)
+            )
+            lookups.append(
+                ray.remote(LookupActor)
+                .options(
+                    **_options(
+                        config,
+                        lookup_name(config.name, rank),
+                        num_cpus=per_actor_cpu,
+                        scheduling_strategy=strategy,
+                        max_restarts=-1,
+                        max_task_retries=3,
+                        max_concurrency=64,
+                    )
+                )
+                .remote(config_json, rank, address)
+            )
+        created += backends + lookups
+        _check_started(backends + lookups)
+    except BaseException:
+        for actor in created:
+            ray.kill(actor, no_restart=True)
+        if created:
+            remove_placement_group(pg)
+        raise
+    logger.info(
+        "kvray pool %r: %d rank(s), backend %s at %s (%s), ready in %.1f s",
+        config.name,
+        config.world_size,
+        config.backend,
+        address,
+        "embedded master" if spec["embedded"] else "external master",
+        time.monotonic() - started,
+    )
+    return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups)
+
+
+def _check_started(actors: list[Any]) -> None:
+    """Wait for every actor; refuse to run if any derives another probe hash."""
+    expected = probe_hash()
+    refs = [a.probe.remote() for a in actors]
+    for ref in refs:
+        try:
+            got = ray.get(ref, timeout=_START_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            raise BackendUnavailableError(
+                f"a pool actor failed to start: {_actor_error(exc)}"
+            ) from exc
+        if got["probe_hash"] != expected:
+            raise HashMismatchError(
+                f"rank {got['rank']} derives block hash {got['probe_hash']} for the probe, this "
+                f"process {expected}: install the same kvray version on every node"
+            )
+
+
+def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
+    """Handles to the running pool ``name``."""
+    try:
+        manager = ray.get_actor(manager_name(name), namespace=namespace)
+    except ValueError as exc:
+        raise PoolNotFoundError(
+            f"no kvray pool {name!r} in Ray namespace {namespace!r}: start one with "
+            "`kvray up` or Pool.start()"
+        ) from exc
+    manager_spec: dict[str, Any] = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)  # type: ignore[assignment]  # ray.get overloads on an untyped ref
+    config = PoolConfig.model_validate_json(manager_spec["config_json"])
+    backends = [
+        ray.get_actor(backend_name(name, r), namespace=namespace) for r in range(config.world_size)
+    ]
+    lookups = [
+        ray.get_actor(lookup_name(name, r), namespace=namespace) for r in range(config.world_size)
+    ]
+    return PoolHandles(
+        config,
+        manager_spec["server_address"],
+        bool(manager_spec["embedded"]),
+        manager,
+        backends,
+        lookups,
+    )
+
+
+def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
+    """Close clients, stop the embedded master, kill the actors, free the bundles."""
+    rank_actors = handles.backends + handles.lookups
+    closing = [a.close.remote() for a in rank_actors]
+    ready, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+    if len(ready) < len(closing):
+        logger.warning(
+            "%d pool actor(s) did not close in %.0f s; killing them",
+            len(closing) - len(ready),
+            timeout_s,
+        )
+    for actor in rank_actors:
+        ray.kill(actor, no_restart=True)
+    try:
+        ray.get(handles.manager.stop.remote(), timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        logger.warning("pool manager did not stop cleanly (%s); killing it", exc)
+    ray.kill(handles.manager, no_restart=True)
+    with contextlib.suppress(ValueError):  # already removed
+        remove_placement_group(
+            ray.util.get_placement_group(placement_group_name(handles.config.name))
+        )
+    remove_leftovers(region_prefix(handles.config.name))
+    logger.info("kvray pool %r stopped", handles.config.name)

@@ -1,0 +1,150 @@
+"""Run ``mooncake_master`` as a child process: the embedded default when no master
+address is configured.
+
+The master listens on free loopback ports (RPC and metrics; two masters never collide
+on the default metrics port 9003). It is started with ``PR_SET_PDEATHSIG`` so that it
+dies with the process that owns it, even when that process is killed: no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvray.config import MooncakeMasterConfig
+from kvray.errors import BackendUnavailableError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def find_master_binary() -> str:
+    """``mooncake_master`` next to the running interpreter (a venv), else on PATH."""
+    candidate = Path(sys.executable).parent / "mooncake_master"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise ConfigError(
+            "mooncake_master is not installed: pip install 'kvray[cpu]' (or [cuda]/[npu]), "
+            "or set mooncake.master_server_address / MOONCAKE_MASTER to a running master"
+        )
+    return found
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` child process on loopback."""
+
+    def __init__(
+        self,
+        config: MooncakeMasterConfig,
+        log_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.log_path = Path(log_dir) / f"mooncake_master-{os.getpid()}.log"
+        self.rpc_port = 0
+        self.metrics_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        c = self.config
+        return [
+            find_master_binary(),
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            f"--eviction_high_watermark_ratio={c.eviction_high_watermark_ratio}",
+            f"--eviction_ratio={c.eviction_ratio}",
+            f"--default_kv_lease_ttl={c.default_kv_lease_ttl_ms}",
+            f"--client_ttl={c.client_ttl_s}",
+            *c.extra_args,
+        ]
+
+    def start(self, timeout_s: float = 15.0, attempts: int = 3) -> str:
+        """Start and wait until the RPC port accepts; retry on a port race."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, attempts + 1):
+            self.rpc_port, self.metrics_port = free_port(self.host), free_port(self.host)
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
+            if self._wait_ready(timeout_s):
+                logger.info("mooncake_master pid %d listening on %s", self._proc.pid, self.address)
+                return self.address
+            self.stop()
+            logger.warning("mooncake_master attempt %d/%d did not come up", attempt, attempts)
+        raise BackendUnavailableError(
+            f"mooncake_master did not start after {attempts} attempts; last lines of "
+            f"{self.log_path}:\n{self._log_tail()}"
+        )
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        assert self._proc is not None, "MooncakeMaster._wait_ready before start"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            try:
+                socket.create_connection((self.host, self.rpc_port), timeout=0.2).close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("mooncake_master pid %d ignored SIGTERM; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"

@@ -1,0 +1,535 @@
+"""The Pool API for notebooks, jobs and tools.
+
+::
+
+    pool = Pool.start()                        # or Pool.attach("kvray")
+    pool.put(["a", "b"], [t1, t2])             # numpy arrays or CPU torch tensors
+    a, b = pool.get(["a", "b"], out=[o1, o2])  # None for a miss
+    n = pool.lookup(space, block_hashes)       # leading blocks present on all ranks
+    print(pool.stats().table())
+    pool.shutdown()
+
+Every method has an async twin (``aput``, ``aget``, ...). Both run the same coroutine on
+the pool's own event-loop thread, so the sync methods work inside Jupyter's running loop.
+
+Bytes move through shared memory, never through Ray's object store: tensors allocated
+with :meth:`Pool.empty` live in a region the rank's BackendClient actor maps, and move
+with no copy in this process; other tensors are copied through a staging window. One
+Ray call carries a whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import ray
+
+from kvray import launcher
+from kvray.backends.base import KeyStatus
+from kvray.config import PoolConfig
+from kvray.errors import (
+    BackendUnavailableError,
+    KeyFormatError,
+    KVRayError,
+    PoolFullError,
+    RegionError,
+    TransferError,
+)
+from kvray.keys import BlockKey, KeySpace
+from kvray.naming import region_prefix
+from kvray.shm import SharedRegion
+from kvray.stats import RankStats
+from kvray.status import PoolStatus, RankStatus
+from kvray.transfer import TransferBatch
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+Key = str | BlockKey
+_PAGE = 4096
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread: the home of the Pool's coroutines."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="kvray-pool", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def arun(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+
+def _key_str(key: Key) -> str:
+    if isinstance(key, BlockKey):
+        return key.to_str()
+    if (
+        not isinstance(key, str)
+        or not key
+        or len(key) > 4096
+        or not key.isprintable()
+        or any(c.isspace() for c in key)
+    ):
+        raise KeyFormatError(
+            "a key must be a BlockKey or a printable string of 1-4096 characters "
+            f"without whitespace, got {key!r}"
+        )
+    return key
+
+
+def _byte_view(t: Any, what: str) -> np.ndarray:
+    """A writable uint8 view sharing ``t``'s memory (numpy array or CPU torch tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        if t.device.type != "cpu":
+            raise RegionError(f"{what}: tensor is on {t.device}; the Pool API moves host tensors")
+        if not t.is_contiguous():
+            raise RegionError(f"{what}: tensor is not contiguous; call .contiguous() first")
+        view: np.ndarray = t.detach().reshape(-1).view(torch.uint8).numpy()
+        return view
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise RegionError(f"{what}: array is not C-contiguous; use np.ascontiguousarray")
+        return t.reshape(-1).view(np.uint8)
+    raise RegionError(f"{what}: expected a numpy array or torch tensor, got {type(t).__name__}")
+
+
+def _empty_like(shape: Sequence[int], dtype: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return torch.empty(tuple(shape), dtype=dtype)
+    return np.empty(tuple(shape), dtype=dtype)
+
+
+class Pool:
+    """A client of one running kvray pool."""
+
+    def __init__(self, handles: launcher.PoolHandles, *, owner: bool) -> None:
+        self._h = handles
+        self._owner = owner
+        self._loop = _LoopThread()
+        self._regions: list[SharedRegion] = []
+        self._window: SharedRegion | None = None
+        self._window_lock = asyncio.Lock()
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config: PoolConfig | dict[str, Any] | None = None) -> Pool:
+        """Start a pool in the connected Ray cluster (or return the running one of the same
+        name and config). Without a master address, kvray runs ``mooncake_master`` itself."""
+        cfg = config if isinstance(config, PoolConfig) else PoolConfig.from_dict(config)
+        return cls(launcher.launch(cfg), owner=True)
+
+    @classmethod
+    async def astart(cls, config: PoolConfig | dict[str, Any] | None = None) -> Pool:
+        return await asyncio.to_thread(cls.start, config)
+
+    @classmethod
+    def attach(cls, name: str = "kvray", namespace: str = "kvray") -> Pool:
+        """Connect to the running pool ``name``; :meth:`close` leaves it running."""
+        return cls(launcher.attach(name, namespace), owner=False)
+
+    @classmethod
+    async def aattach(cls, name: str = "kvray", namespace: str = "kvray") -> Pool:
+        return await asyncio.to_thread(cls.attach, name, namespace)
+
+    @property
+    def config(self) -> PoolConfig:
+        return self._h.config
+
+    @property
+    def server_address(self) -> str:
+        return self._h.server_address
+
+    def close(self) -> None:
+        """Release this client's shared memory; the pool keeps running."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._release_regions())
+        finally:
+            self._loop.stop()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def shutdown(self) -> None:
+        """Stop the pool: actors, embedded master, placement group. Data is gone."""
+        self.close()
+        launcher.shutdown(self._h)
+
+    async def ashutdown(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown() if self._owner else self.close()
+
+    # ---- memory ----------------------------------------------------------------------
+
+    def empty(self, shape: Sequence[int] | int, dtype: Any = np.uint8) -> Any:
+        """An uninitialised array in shared memory the pool's actors map: put/get of it
+        (or of contiguous slices of it) copy nothing in this process. A torch dtype gives
+        a torch tensor."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        torch = sys.modules.get("torch")
+        is_torch = torch is not None and isinstance(dtype, torch.dtype)
+        itemsize = dtype.itemsize if is_torch else np.dtype(dtype).itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        region = SharedRegion.create(
+            region_prefix(self.config.name), max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        )
+        self._regions.append(region)
+        raw = region.array[:nbytes]
+        if is_torch:
+            assert torch is not None, "Pool.empty: torch dtype without torch"
+            return torch.from_numpy(raw).view(dtype).reshape(shape)
+        return raw.view(np.dtype(dtype)).reshape(shape)
+
+    def _region_of(self, view: np.ndarray) -> tuple[SharedRegion, int] | None:
+        ptr = int(view.ctypes.data)
+        for region in self._regions:
+            start = region.base_ptr
+            if start <= ptr and ptr + view.nbytes <= start + region.spec.size:
+                return region, ptr - start
+        return None
+
+    async def _release_regions(self) -> None:
+        regions = self._regions + ([self._window] if self._window else [])
+        for region in regions:
+            for actor in self._h.backends:
+                # On failure the actor drops the region itself once the file is gone.
+                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                    await asyncio.wait_for(actor.release_region.remote(region.spec.region_id), 5)
+            region.close()
+        self._regions.clear()
+        self._window = None
+
+    def _window_for(self, nbytes: int) -> SharedRegion:
+        if self._window is None or self._window.spec.size < nbytes:
+            old = self._window
+            size = max(self.config.transfer_window_size, -(-nbytes // _PAGE) * _PAGE)
+            self._window = SharedRegion.create(region_prefix(self.config.name), size)
+            if old is not None:
+                old.close()
+        return self._window
+
+    # ---- data plane ------------------------------------------------------------------
+
+    def _actor(self, rank: int) -> Any:
+        if not 0 <= rank < len(self._h.backends):
+            raise ValueError(f"rank must be in 0..{len(self._h.backends) - 1}, got {rank}")
+        return self._h.backends[rank]
+
+    async def _call(self, ref: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(ref, self.config.call_timeout_s)
+        except TimeoutError as exc:
+            raise BackendUnavailableError(
+                f"{what} took longer than call_timeout_s={self.config.call_timeout_s}"
+            ) from exc
+        except ray.exceptions.RayActorError as exc:
+            raise BackendUnavailableError(f"{what}: pool actor unavailable: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, KVRayError):
+                raise cause from exc
+            raise
+
+    async def _transfer(
+        self, op: str, keys: list[str], views: list[np.ndarray], rank: int, overwrite: bool = False
+    ) -> list[KeyStatus]:
+        """Move ``views`` (put: from, get: into) in as few actor calls as possible."""
+        actor = self._actor(rank)
+        statuses: list[KeyStatus | None] = [None] * len(keys)
+        direct: dict[str, list[tuple[int, int]]] = {}
+        staged: list[int] = []
+        for i, v in enumerate(views):
+            found = self._region_of(v)
+            if found is None:
+                staged.append(i)
+            else:
+                direct.setdefault(found[0].spec.region_id, []).append((i, found[1]))
+
+        async def run(batch: TransferBatch) -> list[KeyStatus]:
+            method = actor.put if op == "put" else actor.get
+            ref = method.remote(batch, overwrite) if op == "put" else method.remote(batch)
+            result: list[KeyStatus] = await self._call(
+                ref, f"{op} of {len(batch)} keys on rank {rank}"
+            )
+            return result
+
+        async def run_direct(region_id: str, items: list[tuple[int, int]]) -> None:
+            region = next(r for r in self._regions if r.spec.region_id == region_id)
+            idx = [i for i, _ in items]
+            batch = TransferBatch.contiguous(
+                region.spec,
+                [keys[i] for i in idx],
+                [o for _, o in items],
+                [views[i].nbytes for i in idx],
+            )
+            for i, s in zip(idx, await run(batch), strict=True):
+                statuses[i] = s
+
+        async def run_staged() -> None:
+            async with self._window_lock:
+                window = self._window_for(max(views[i].nbytes for i in staged))
+                buf = window.array
+                pending = list(staged)
+                while pending:
+                    chunk, offsets, used = [], [], 0
+                    while pending and used + views[pending[0]].nbytes <= window.spec.size:
+                        i = pending.pop(0)
+                        chunk.append(i)
+                        offsets.append(used)
+                        used += -(-views[i].nbytes // 64) * 64
+                    if op == "put":
+                        for i, off in zip(chunk, offsets, strict=True):
+                            buf[off : off + views[i].nbytes] = views[i]
+                    batch = TransferBatch.contiguous(
+                        window.spec,
+                        [keys[i] for i in chunk],
+                        offsets,
+                        [views[i].nbytes for i in chunk],
+                    )
+                    for i, off, s in zip(chunk, offsets, await run(batch), strict=True):
+                        statuses[i] = s
+                        if op == "get" and s is KeyStatus.OK:
+                            views[i][:] = buf[off : off + views[i].nbytes]
+
+        jobs = [run_direct(rid, items) for rid, items in direct.items()]
+        if staged:
+            jobs.append(run_staged())
+        await asyncio.gather(*jobs)
+        assert all(s is not None for s in statuses), "Pool._transfer left a key without status"
+        return [s for s in statuses if s is not None]
+
+    async def _put(self, keys: list[str], values: list[Any], rank: int, overwrite: bool) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"put: {len(keys)} keys but {len(values)} values")
+        if len(set(keys)) != len(keys):
+            raise KeyFormatError("put: duplicate keys in one batch")
+        views = [_byte_view(v, f"value for {k!r}") for k, v in zip(keys, values, strict=True)]
+        statuses = await self._transfer("put", keys, views, rank, overwrite)
+        failed = {k: s.value for k, s in zip(keys, statuses, strict=True) if s is not KeyStatus.OK}
+        if failed:
+            stored = [k for k in keys if k not in failed]
+            err = PoolFullError if KeyStatus.POOL_FULL.value in failed.values() else TransferError
+            raise err(
+                f"put: {len(failed)} of {len(keys)} keys not stored ({_summary(failed)}); "
+                "they are absent, the others were stored whole",
+                failed,
+                stored,
+            )
+
+    async def _get(self, keys: list[str], outs: list[Any], rank: int) -> list[Any]:
+        views = [_byte_view(o, f"out for {k!r}") for k, o in zip(keys, outs, strict=True)]
+        statuses = await self._transfer("get", keys, views, rank)
+        failed = {
+            k: s.value
+            for k, s in zip(keys, statuses, strict=True)
+            if s not in (KeyStatus.OK, KeyStatus.NOT_FOUND)
+        }
+        if failed:
+            raise TransferError(
+                f"get: {len(failed)} of {len(keys)} keys failed ({_summary(failed)}); their "
+                "destinations hold no valid data",
+                failed,
+            )
+        return [o if s is KeyStatus.OK else None for o, s in zip(outs, statuses, strict=True)]
+
+    # ---- public data methods -----------------------------------------------------------
+
+    def put(
+        self, keys: Key | Sequence[Key], values: Any, *, rank: int = 0, overwrite: bool = False
+    ) -> None:
+        """Store values under keys (first write wins unless ``overwrite``). Raises
+        :class:`PoolFullError` / :class:`TransferError` naming keys that were not stored."""
+        return self._loop.run(self._put(*_norm_put(keys, values), rank, overwrite))
+
+    async def aput(
+        self, keys: Key | Sequence[Key], values: Any, *, rank: int = 0, overwrite: bool = False
+    ) -> None:
+        return await self._loop.arun(self._put(*_norm_put(keys, values), rank, overwrite))
+
+    def get(
+        self,
+        keys: Key | Sequence[Key],
+        out: Any = None,
+        *,
+        shape: Sequence[int] | None = None,
+        dtype: Any = None,
+        rank: int = 0,
+    ) -> Any:
+        """Read keys into ``out`` (arrays/tensors of the stored size), or into new arrays of
+        ``shape``/``dtype``. Returns the filled outputs, ``None`` for a miss; a single key
+        gives a single result."""
+        single, ks, outs = _norm_get(keys, out, shape, dtype)
+        res = self._loop.run(self._get(ks, outs, rank))
+        return res[0] if single else res
+
+    async def aget(
+        self,
+        keys: Key | Sequence[Key],
+        out: Any = None,
+        *,
+        shape: Sequence[int] | None = None,
+        dtype: Any = None,
+        rank: int = 0,
+    ) -> Any:
+        single, ks, outs = _norm_get(keys, out, shape, dtype)
+        res = await self._loop.arun(self._get(ks, outs, rank))
+        return res[0] if single else res
+
+    async def _exists(self, keys: list[str], rank: int) -> list[bool]:
+        result: list[bool] = await self._call(self._actor(rank).exists.remote(keys), "exists")
+        return result
+
+    def exists(self, keys: Sequence[Key], *, rank: int = 0) -> list[bool]:
+        return self._loop.run(self._exists([_key_str(k) for k in keys], rank))
+
+    async def aexists(self, keys: Sequence[Key], *, rank: int = 0) -> list[bool]:
+        return await self._loop.arun(self._exists([_key_str(k) for k in keys], rank))
+
+    async def _remove(self, keys: list[str], rank: int, force: bool) -> list[KeyStatus]:
+        result: list[KeyStatus] = await self._call(
+            self._actor(rank).remove.remote(keys, force), "remove"
+        )
+        return result
+
+    def remove(self, keys: Sequence[Key], *, rank: int = 0, force: bool = False) -> list[KeyStatus]:
+        """Remove keys; per key ``OK``, ``NOT_FOUND`` or ``BUSY`` (leased by a reader)."""
+        return self._loop.run(self._remove([_key_str(k) for k in keys], rank, force))
+
+    async def aremove(
+        self, keys: Sequence[Key], *, rank: int = 0, force: bool = False
+    ) -> list[KeyStatus]:
+        return await self._loop.arun(self._remove([_key_str(k) for k in keys], rank, force))
+
+    async def _lookup(
+        self, space: KeySpace, hashes: list[bytes], rank: int, timeout_s: float
+    ) -> int:
+        actor = self._h.lookups[rank]
+        try:
+            # The actor answers a miss after timeout_s; the margin covers the Ray call.
+            result: int = await asyncio.wait_for(
+                actor.lookup.remote(space, hashes, timeout_s), timeout_s + 2.0
+            )
+        except (TimeoutError, ray.exceptions.RayActorError) as exc:
+            logger.warning("lookup on rank %d failed (%s): counted as a miss", rank, exc)
+            return 0
+        return result
+
+    def lookup(
+        self,
+        space: KeySpace,
+        block_hashes: Iterable[bytes],
+        *,
+        rank: int = 0,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Leading blocks of ``block_hashes`` present for every rank of ``space``."""
+        t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
+        return self._loop.run(self._lookup(space, list(block_hashes), rank, t))
+
+    async def alookup(
+        self,
+        space: KeySpace,
+        block_hashes: Iterable[bytes],
+        *,
+        rank: int = 0,
+        timeout_s: float | None = None,
+    ) -> int:
+        t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
+        return await self._loop.arun(self._lookup(space, list(block_hashes), rank, t))
+
+    # ---- observability -------------------------------------------------------------------
+
+    async def _stats(self) -> PoolStatus:
+        return await collect_status(self._h)
+
+    def stats(self) -> PoolStatus:
+        """Per-rank counters and totals; ``print(pool.stats().table())``."""
+        return self._loop.run(self._stats())
+
+    async def astats(self) -> PoolStatus:
+        return await self._loop.arun(self._stats())
+
+
+async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> PoolStatus:
+    """Snapshot every rank's actors; a dead rank shows as DOWN instead of failing."""
+    cfg = h.config
+    status = PoolStatus(
+        cfg.name, cfg.namespace, cfg.backend, h.server_address, h.embedded, cfg.world_size
+    )
+
+    async def one(rank: int) -> RankStatus:
+        try:
+            snap, look = await asyncio.wait_for(
+                asyncio.gather(
+                    h.backends[rank].snapshot.remote(), h.lookups[rank].snapshot.remote()
+                ),
+                timeout_s,
+            )
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            return RankStatus(rank, "", 0, False, RankStats(), error=type(exc).__name__)
+        stats = RankStats.from_dict(snap["stats"]).merge(RankStats.from_dict(look["stats"]))
+        return RankStatus(rank, snap["info"]["segment"], snap["info"]["segment_bytes"], True, stats)
+
+    status.ranks = list(await asyncio.gather(*(one(r) for r in range(cfg.world_size))))
+    return status
+
+
+def _summary(failed: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for reason in failed.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+
+
+def _norm_put(keys: Key | Sequence[Key], values: Any) -> tuple[list[str], list[Any]]:
+    if isinstance(keys, str | BlockKey):
+        return [_key_str(keys)], [values]
+    return [_key_str(k) for k in keys], list(values)
+
+
+def _norm_get(
+    keys: Key | Sequence[Key], out: Any, shape: Sequence[int] | None, dtype: Any
+) -> tuple[bool, list[str], list[Any]]:
+    single = isinstance(keys, str | BlockKey)
+    if isinstance(keys, str | BlockKey):
+        ks = [_key_str(keys)]
+    else:
+        ks = [_key_str(k) for k in keys]
+    if out is not None:
+        outs = [out] if single else list(out)
+        if len(outs) != len(ks):
+            raise ValueError(f"get: {len(ks)} keys but {len(outs)} outputs")
+    elif shape is not None:
+        outs = [_empty_like(shape, dtype if dtype is not None else np.uint8) for _ in ks]
+    else:
+        raise ValueError("get: pass out= (arrays to fill) or shape= and dtype= (to allocate)")
+    return single, ks, outs

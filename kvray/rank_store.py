@@ -1,0 +1,107 @@
+"""The logic of one rank's BackendClient actor, testable without Ray.
+
+It owns the rank's backend client and the shared regions it has mapped, turns
+:class:`~kvray.transfer.TransferBatch` descriptors into addresses (bounds checked here,
+in the process that dereferences them) and counts what it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvray.backends.base import Backend, KeyStatus
+from kvray.errors import RegionError
+from kvray.shm import RegionSpec, SharedRegion
+from kvray.stats import RankStats
+from kvray.transfer import TransferBatch
+
+logger = logging.getLogger(__name__)
+
+
+class RankStore:
+    """Regions + backend + counters for one rank."""
+
+    def __init__(self, backend: Backend, rank: int) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.stats = RankStats()
+        self._regions: dict[str, SharedRegion] = {}
+
+    async def ensure_region(self, spec: RegionSpec) -> SharedRegion:
+        """Map and register ``spec`` unless already done (idempotent: every batch carries
+        its region, so a restarted actor re-maps on first sight)."""
+        region = self._regions.get(spec.region_id)
+        if region is not None and region.spec == spec:
+            return region
+        if region is not None:
+            await self.release_region(spec.region_id)
+        await self._drop_stale_regions()
+        region = SharedRegion.attach(spec)
+        await self.backend.register_region(region.base_ptr, spec.size)
+        self._regions[spec.region_id] = region
+        self.stats.regions = len(self._regions)
+        logger.info("rank %d mapped region %s (%d bytes)", self.rank, spec.region_id, spec.size)
+        return region
+
+    async def release_region(self, region_id: str) -> None:
+        region = self._regions.pop(region_id, None)
+        if region is None:
+            return
+        await self.backend.unregister_region(region.base_ptr)
+        region.close()
+        self.stats.regions = len(self._regions)
+
+    async def _drop_stale_regions(self) -> None:
+        for region_id in [r for r, reg in self._regions.items() if reg.stale()]:
+            logger.info("rank %d drops region %s: its owner is gone", self.rank, region_id)
+            await self.release_region(region_id)
+
+    async def _addresses(self, batch: TransferBatch) -> tuple[list[list[int]], list[list[int]]]:
+        region = await self.ensure_region(batch.region)
+        if len(batch) and int((batch.offsets + batch.lengths).max()) > region.spec.size:
+            raise RegionError(f"descriptor outside region {batch.region.region_id}")
+        ptrs: list[list[int]] = (batch.offsets + region.base_ptr).tolist()
+        sizes: list[list[int]] = batch.lengths.tolist()
+        return ptrs, sizes
+
+    async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]:
+        ptrs, sizes = await self._addresses(batch)
+        statuses = await self.backend.put(batch.keys, ptrs, sizes, overwrite=overwrite)
+        ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
+        self.stats.put_keys += int(ok.sum())
+        self.stats.put_bytes += int(batch.key_nbytes()[ok].sum()) if len(batch) else 0
+        full = sum(s is KeyStatus.POOL_FULL for s in statuses)
+        self.stats.put_pool_full += full
+        self.stats.put_failed += len(statuses) - int(ok.sum()) - full
+        return statuses
+
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        ptrs, sizes = await self._addresses(batch)
+        statuses = await self.backend.get(batch.keys, ptrs, sizes)
+        ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
+        missed = sum(s is KeyStatus.NOT_FOUND for s in statuses)
+        self.stats.get_keys += int(ok.sum())
+        self.stats.get_bytes += int(batch.key_nbytes()[ok].sum()) if len(batch) else 0
+        self.stats.get_missed += missed
+        self.stats.get_failed += len(statuses) - int(ok.sum()) - missed
+        return statuses
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.backend.exists(keys)
+
+    async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
+        statuses = await self.backend.remove(keys, force=force)
+        self.stats.removed += sum(s is KeyStatus.OK for s in statuses)
+        return statuses
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"rank": self.rank, "info": self.backend.info(), "stats": self.stats.to_dict()}
+
+    async def close(self) -> None:
+        for region_id in list(self._regions):
+            await self.release_region(region_id)
+        await self.backend.close()

@@ -1,0 +1,35 @@
+"""Joining or starting a Ray cluster the way kvray's tools and demos need it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+def ray_init(
+    address: str | None = None,
+    *,
+    namespace: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``ray.init`` that stays on loopback when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``.
+
+    With that variable set Ray binds 127.0.0.1, but a new local cluster must also be
+    told its node address, or it advertises the machine's external one.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = os.environ if environ is None else environ
+    if (
+        address is None
+        and env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
+        and "RAY_ADDRESS" not in env
+    ):
+        kwargs.setdefault("_node_ip_address", "127.0.0.1")
+        kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", False)
+    ray.init(address=address, namespace=namespace, **kwargs)

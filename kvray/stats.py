@@ -1,0 +1,43 @@
+"""Counters that aggregate across ranks (like vLLM's KVConnectorStats)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass
+class RankStats:
+    """What one rank's BackendClient and Lookup actors did since they started."""
+
+    put_keys: int = 0
+    put_bytes: int = 0
+    put_failed: int = 0
+    put_pool_full: int = 0
+    get_keys: int = 0
+    get_bytes: int = 0
+    get_missed: int = 0
+    get_failed: int = 0
+    removed: int = 0
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    lookup_timeouts: int = 0
+    lookup_errors: int = 0
+    regions: int = 0
+
+    def merge(self, other: RankStats) -> RankStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankStats:
+        return cls(**{f.name: int(d.get(f.name, 0)) for f in fields(cls)})
+
+    @property
+    def lookup_hit_rate(self) -> float:
+        return self.lookup_hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0

@@ -1,0 +1,107 @@
+"""A pool's status: spec, per-rank counters and totals, as a table or a dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvray.sizes import format_size
+from kvray.stats import RankStats
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    segment: str
+    segment_bytes: int
+    alive: bool
+    stats: RankStats
+    error: str = ""
+
+
+@dataclass
+class PoolStatus:
+    name: str
+    namespace: str
+    backend: str
+    server_address: str
+    embedded: bool
+    world_size: int
+    ranks: list[RankStatus] = field(default_factory=list)
+
+    @property
+    def total(self) -> RankStats:
+        total = RankStats()
+        for r in self.ranks:
+            total.merge(r.stats)
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "backend": self.backend,
+            "server_address": self.server_address,
+            "embedded": self.embedded,
+            "world_size": self.world_size,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "segment": r.segment,
+                    "segment_bytes": r.segment_bytes,
+                    "alive": r.alive,
+                    "error": r.error,
+                    **r.stats.to_dict(),
+                }
+                for r in self.ranks
+            ],
+            "total": self.total.to_dict(),
+        }
+
+    def table(self) -> str:
+        mode = "embedded master" if self.embedded else "external master"
+        head = (
+            f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "
+            f"{self.server_address} ({mode}), {self.world_size} rank(s)"
+        )
+        cols = [
+            "rank",
+            "segment",
+            "size",
+            "puts",
+            "put",
+            "full",
+            "gets",
+            "got",
+            "miss",
+            "fail",
+            "lookups",
+            "hit rate",
+            "regions",
+        ]
+        rows = []
+        for r in [*self.ranks, None]:
+            s = self.total if r is None else r.stats
+            rows.append(
+                [
+                    "total" if r is None else str(r.rank),
+                    "" if r is None else (r.segment if r.alive else f"DOWN: {r.error}"),
+                    format_size(
+                        sum(x.segment_bytes for x in self.ranks) if r is None else r.segment_bytes
+                    ),
+                    str(s.put_keys),
+                    format_size(s.put_bytes),
+                    str(s.put_pool_full),
+                    str(s.get_keys),
+                    format_size(s.get_bytes),
+                    str(s.get_missed),
+                    str(s.put_failed + s.get_failed),
+                    str(s.lookups),
+                    f"{100 * s.lookup_hit_rate:.1f}%",
+                    str(s.regions),
+                ]
+            )
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+        lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+        return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ class BackendClientActor:
     async def probe(self) -> dict[str, Any]:
         return {
             "rank": self._store.rank,
+            "pid": os.getpid(),
             "probe_hash": probe_hash(),
             "node_id": ray.get_runtime_context().get_node_id(),
         }

@@ -20,32 +20,28 @@ from kvray.errors import KVRayError
 def _connect(args: argparse.Namespace) -> None:
     from kvray.ray_env import ray_init
 
-    ray_init(args.address or "auto", namespace=args.namespace)
+    ray_init(args.address or "auto", namespace=args.namespace or "kvray")
+
+
+def _pool_ref(args: argparse.Namespace) -> tuple[str, str]:
+    return args.name or "kvray", args.namespace or "kvray"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    data = {"name": args.name, "namespace": args.namespace}
-    if args.world_size is not None:
-        data["world_size"] = args.world_size
-    config = (
-        PoolConfig.from_file(args.config)
-        if args.config
-        else PoolConfig.from_dict(data, source="command line")
-    )
+    # Flags given on the command line override the config file.
+    flags = {"name": args.name, "namespace": args.namespace, "world_size": args.world_size}
+    overrides = {k: v for k, v in flags.items() if v is not None}
     if args.config:
-        overrides = {
-            k: v
-            for k, v in data.items()
-            if k == "world_size" or v != PoolConfig.model_fields[k].default
-        }
-        config = PoolConfig.from_dict({**config.model_dump(), **overrides}, source=args.config)
+        base = PoolConfig.from_file(args.config)
+        config = PoolConfig.from_dict({**base.model_dump(), **overrides}, source=args.config)
+    else:
+        config = PoolConfig.from_dict(overrides, source="command line")
+    args.namespace = config.namespace
     _connect(args)
     print(f"starting kvray pool {config.name!r} ({config.world_size} rank(s)) ...", flush=True)
     handles = launcher.launch(config)
     mode = "embedded mooncake_master" if handles.embedded else "external master"
-    print(
-        f"kvray pool {config.name!r} is up: {config.backend} at {handles.server_address} ({mode})"
-    )
+    print(f"kvray pool {config.name!r} is up: {config.backend} at {handles.server_address} ({mode})")
     return 0
 
 
@@ -53,23 +49,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvray.pool import collect_status
 
     _connect(args)
-    status = asyncio.run(collect_status(launcher.attach(args.name, args.namespace)))
+    status = asyncio.run(collect_status(launcher.attach(*_pool_ref(args))))
     print(json.dumps(status.to_dict(), indent=2) if args.json else status.table())
     return 0 if all(r.alive for r in status.ranks) else 1
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     _connect(args)
-    launcher.shutdown(launcher.attach(args.name, args.namespace))
-    print(f"kvray pool {args.name!r} stopped")
+    name, namespace = _pool_ref(args)
+    launcher.shutdown(launcher.attach(name, namespace))
+    print(f"kvray pool {name!r} stopped")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvray", description="kvray KV-cache pool on Ray")
     parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
-    parser.add_argument("--name", default="kvray", help="pool name (default: kvray)")
-    parser.add_argument("--namespace", default="kvray", help="Ray namespace (default: kvray)")
+    parser.add_argument("--name", help="pool name (default: kvray, or the --config file's)")
+    parser.add_argument("--namespace", help="Ray namespace (default: kvray)")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a pool (idempotent)")

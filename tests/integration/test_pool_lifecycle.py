@@ -1,0 +1,134 @@
+"""Starting, attaching, failing and stopping pools: real Ray, real mooncake_master."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import psutil
+import pytest
+import ray
+
+from kvray import Pool
+from kvray.errors import (
+    BackendUnavailableError,
+    PoolConflictError,
+    PoolFullError,
+    PoolNotFoundError,
+    TransferError,
+)
+from kvray.master import free_port
+from kvray.naming import backend_name, lookup_name, manager_name, placement_group_name, region_prefix
+
+from .conftest import small_config
+
+pytestmark = pytest.mark.integration
+
+
+def assert_nothing_left(cfg, master_pid=None):
+    for name in [manager_name(cfg.name)] + [
+        f(cfg.name, r) for r in range(cfg.world_size) for f in (backend_name, lookup_name)
+    ]:
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace=cfg.namespace)
+    with pytest.raises(ValueError):
+        ray.util.get_placement_group(placement_group_name(cfg.name))
+    assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []
+    if master_pid is not None:
+        assert not psutil.pid_exists(master_pid) or psutil.Process(master_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_embedded_master_lifecycle(ray_cluster):
+    cfg = small_config(None, world_size=1)
+    pool = Pool.start(cfg)
+    spec = ray.get(pool._h.manager.spec.remote())
+    assert spec["embedded"] and spec["master_alive"]
+    master = psutil.Process(spec["master_pid"])
+    assert "mooncake_master" in " ".join(master.cmdline())
+    assert pool.server_address.startswith("127.0.0.1:")
+    pool.put("k", np.arange(100, dtype=np.int64))
+    assert np.array_equal(pool.get("k", shape=(100,), dtype=np.int64), np.arange(100))
+    pool.shutdown()
+    master.wait(timeout=10)
+    assert_nothing_left(cfg, spec["master_pid"])
+
+
+def test_start_is_idempotent_and_attach_finds_data(ray_cluster, mooncake_master):
+    cfg = small_config(mooncake_master.address, world_size=1)
+    pool = Pool.start(cfg)
+    try:
+        again = Pool.start(cfg)
+        assert again._h.backends[0]._actor_id == pool._h.backends[0]._actor_id
+        again.close()
+        pool.put(f"{cfg.name}-a", np.full(10, 7, np.uint8))
+        attached = Pool.attach(cfg.name, cfg.namespace)
+        assert attached.get(f"{cfg.name}-a", shape=(10,))[3] == 7
+        attached.close()
+        with pytest.raises(PoolConflictError, match="different config"):
+            Pool.start(cfg.model_copy(update={"io_threads": 2}))
+    finally:
+        pool.shutdown()
+    assert_nothing_left(cfg)
+    with pytest.raises(PoolNotFoundError, match="kvray up"):
+        Pool.attach(cfg.name, cfg.namespace)
+
+
+@pytest.mark.timeout(60)  # Mooncake's own retries would take ~90 s
+def test_unreachable_master_fails_fast_and_clearly(ray_cluster):
+    address = f"127.0.0.1:{free_port()}"
+    cfg = small_config(address, world_size=1)
+    with pytest.raises(BackendUnavailableError) as info:
+        Pool.start(cfg)
+    assert "cannot reach mooncake_master" in str(info.value) and address in str(info.value)
+    assert_nothing_left(cfg)
+
+
+def test_full_pool_stores_whole_blocks_or_nothing(ray_cluster):
+    # Its own embedded master: the pool's capacity is exactly one 16 MB segment.
+    cfg = small_config(None, world_size=1, mooncake={"global_segment_size": "16MB"})
+    pool = Pool.start(cfg)
+    try:
+        rng = np.random.default_rng(0)
+        values = [rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(24)]
+        keys = [f"b{i}" for i in range(24)]
+        with pytest.raises(PoolFullError, match="pool_full") as info:
+            pool.put(keys, values)
+        err = info.value
+        assert err.failed and set(err.failed) | set(err.stored) == set(keys)
+        assert all(reason == "pool_full" for reason in err.failed.values())
+        # Failed keys are absent; stored keys read back whole (or are evicted: a miss).
+        assert not any(pool.exists(list(err.failed)))
+        assert all(r is None for r in pool.get(list(err.failed), shape=(1 << 20,)))
+        for key in err.stored:
+            got = pool.get(key, shape=(1 << 20,))
+            assert got is None or np.array_equal(got, values[keys.index(key)])
+        assert pool.stats().total.put_pool_full == len(err.failed)
+    finally:
+        pool.shutdown()
+
+
+def test_killed_backend_client_restarts_and_serves(ray_cluster, mooncake_master):
+    cfg = small_config(mooncake_master.address, world_size=1)
+    pool = Pool.start(cfg)
+    try:
+        actor = pool._h.backends[0]
+        pool.put(f"{cfg.name}-before", np.ones(64, np.uint8))
+        old = psutil.Process(ray.get(actor.probe.remote())["pid"])
+        ray.kill(actor, no_restart=False)
+        old.wait(timeout=30)
+        value = np.arange(4096, dtype=np.uint8)
+        pool.put(f"{cfg.name}-after", value)  # waits for the restarted actor
+        assert np.array_equal(pool.get(f"{cfg.name}-after", shape=(4096,)), value)
+        assert ray.get(actor.probe.remote())["pid"] != old.pid
+        assert pool.stats().ranks[0].alive
+        # The old block lived in the dead client's segment: a failed read or a miss,
+        # never other bytes.
+        try:
+            got = pool.get(f"{cfg.name}-before", shape=(64,))
+            assert got is None or np.array_equal(got, np.ones(64, np.uint8))
+        except TransferError as exc:
+            assert set(exc.failed) == {f"{cfg.name}-before"}
+    finally:
+        pool.shutdown()
+    assert_nothing_left(cfg)

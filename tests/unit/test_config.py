@@ -1,0 +1,192 @@
+import json
+
+import pytest
+
+from kvray.config import ConnectorConfig, MooncakeConfig, PoolConfig, detect_protocol
+from kvray.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def write(tmp_path, data, name="mooncake.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return str(p)
+
+
+def test_mooncake_json_as_deployments_write_it(tmp_path):
+    path = write(
+        tmp_path,
+        {
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp",
+            "device_name": "",
+            "master_server_address": "10.0.0.5:50088",
+            "global_segment_size": "1GB",
+            "local_buffer_size": "1048576KB",
+            "preferred_segment": True,
+            "prefer_alloc_in_same_node": False,
+        },
+    )
+    cfg = MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": path})
+    assert cfg.master_server_address == "10.0.0.5:50088"
+    assert cfg.global_segment_size == GIB
+    assert cfg.local_buffer_size == GIB
+    assert cfg.preferred_segment is True and cfg.prefer_alloc_in_same_node is False
+
+
+def test_env_overrides_json(tmp_path):
+    path = write(tmp_path, {"master_server_address": "10.0.0.5:50088", "global_segment_size": "1GB"})
+    env = {
+        "MOONCAKE_CONFIG_PATH": path,
+        "MOONCAKE_MASTER": "127.0.0.1:6000",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2048MB",
+    }
+    cfg = MooncakeConfig.from_env(env)
+    assert cfg.master_server_address == "127.0.0.1:6000"
+    assert cfg.global_segment_size == 2 * GIB
+
+
+def test_no_file_no_env_means_embedded_defaults():
+    cfg = MooncakeConfig.from_env({})
+    assert cfg.master_server_address is None
+    assert cfg.global_segment_size == GIB
+    assert cfg.metadata_server == "P2PHANDSHAKE"
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "fragment"),
+    [
+        ({"global_segment_size": "10G"}, "global_segment_size", "cannot parse size"),
+        ({"global_segment_size": 100}, "global_segment_size", "at least 16MB"),
+        ({"global_segment_size": "8MB"}, "global_segment_size", "at least 16MB"),
+        ({"local_buffer_size": "x"}, "local_buffer_size", "cannot parse size"),
+        ({"master_server_address": "localhost"}, "master_server_address", "host:port"),
+        ({"master_server_address": "h:70000"}, "master_server_address", "host:port"),
+        ({"protocol": "udp"}, "protocol", "tcp"),
+        ({"preferred_segment": "maybe"}, "preferred_segment", "bool"),
+        ({"global_segement_size": "1GB"}, "global_segement_size", "unknown field"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, data, field, fragment):
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": path})
+    msg = str(info.value)
+    assert f"  {field}:" in msg and fragment in msg and path in msg
+
+
+def test_empty_env_var_is_an_error():
+    with pytest.raises(ConfigError, match="MOONCAKE_MASTER is set but empty"):
+        MooncakeConfig.from_env({"MOONCAKE_MASTER": " "})
+
+
+def test_bad_env_size_names_field():
+    with pytest.raises(ConfigError, match="global_segment_size"):
+        MooncakeConfig.from_env({"MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"})
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(tmp_path / "nope.json")})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": write(tmp_path, "{oops")})
+    with pytest.raises(ConfigError, match="JSON object"):
+        MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": write(tmp_path, "[1]")})
+
+
+def test_fabric_mem_requires_whole_gib(tmp_path):
+    env = {"ASCEND_ENABLE_USE_FABRIC_MEM": "1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1280MB"}
+    with pytest.raises(ConfigError, match="multiple of 1GB"):
+        MooncakeConfig.from_env(env)
+    env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "2GB"
+    assert MooncakeConfig.from_env(env).global_segment_size == 2 * GIB
+    # Without fabric memory any size is fine.
+    assert MooncakeConfig.from_env({"MOONCAKE_GLOBAL_SEGMENT_SIZE": "1280MB"}).global_segment_size == 1280 << 20
+
+
+def test_protocol_detected_from_devices(tmp_path):
+    dev, ib = tmp_path / "dev", tmp_path / "ib"
+    dev.mkdir()
+    assert detect_protocol(dev, ib) == "tcp"
+    ib.mkdir()
+    (ib / "mlx5_0").mkdir()
+    assert detect_protocol(dev, ib) == "rdma"
+    (dev / "davinci0").touch()
+    assert detect_protocol(dev, ib) == "ascend"
+
+
+def test_connector_extra_config_keys():
+    cfg = ConnectorConfig.model_validate(
+        {
+            "backend": "mooncake",
+            "lookup_rpc_port": 100,
+            "load_async": True,
+            "consumer_is_to_put": True,
+            "consumer_is_to_load": True,
+            "prefill_pp_size": 2,
+            "prefill_pp_layer_partition": "30,31",
+        }
+    )
+    assert cfg.layer_partition(61) == [30, 31]
+    assert ConnectorConfig(prefill_pp_size=2).layer_partition(61) == [31, 30]
+    assert ConnectorConfig().backend == "mooncake"
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"backend": "redis"}, "backend"),
+        ({"prefill_pp_layer_partition": "30,x", "prefill_pp_size": 2}, "comma-separated"),
+        ({"prefill_pp_layer_partition": "30,31"}, "one layer count per prefill PP stage"),
+        ({"lookup_rpc_port": -1}, "lookup_rpc_port"),
+        ({"load_asynch": True}, "unknown field"),
+    ],
+)
+def test_connector_config_errors(data, fragment):
+    from kvray.config import validate
+
+    with pytest.raises(ConfigError, match=fragment):
+        validate(ConnectorConfig, data, source="kv_connector_extra_config")
+
+
+def test_partition_must_match_model():
+    with pytest.raises(ConfigError, match="sums to 61 layers but the model has 60"):
+        ConnectorConfig(prefill_pp_size=2, prefill_pp_layer_partition="30,31").layer_partition(60)
+
+
+def test_pool_config_from_yaml(tmp_path):
+    p = tmp_path / "pool.yaml"
+    p.write_text(
+        "name: prod\nworld_size: 4\nmooncake:\n  master_server_address: 127.0.0.1:50051\n"
+        "  global_segment_size: 4GB\nmaster:\n  eviction_ratio: 0.1\n"
+    )
+    cfg = PoolConfig.from_file(p, environ={})
+    assert cfg.name == "prod" and cfg.world_size == 4
+    assert cfg.mooncake.global_segment_size == 4 * GIB
+    assert cfg.master.eviction_ratio == 0.1
+
+
+def test_pool_config_takes_mooncake_from_env_when_absent(tmp_path):
+    cfg = PoolConfig.from_dict({"name": "a"}, environ={"MOONCAKE_MASTER": "127.0.0.1:7"})
+    assert cfg.mooncake.master_server_address == "127.0.0.1:7"
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"name": "bad name"}, "name"),
+        ({"world_size": 0}, "world_size"),
+        ({"master": {"eviction_ratio": 2}}, "master.eviction_ratio"),
+        ({"master": {"extra_args": ["oops"]}}, "--flag=value"),
+        ({"transfer_window_size": "big"}, "transfer_window_size"),
+    ],
+)
+def test_pool_config_errors(data, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        PoolConfig.from_dict(data, environ={})
+
+
+def test_config_round_trips_through_json():
+    cfg = PoolConfig.from_dict({"world_size": 2}, environ={})
+    assert PoolConfig.model_validate_json(cfg.model_dump_json()) == cfg

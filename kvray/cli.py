@@ -41,7 +41,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting kvray pool {config.name!r} ({config.world_size} rank(s)) ...", flush=True)
     handles = launcher.launch(config)
     mode = "embedded mooncake_master" if handles.embedded else "external master"
-    print(f"kvray pool {config.name!r} is up: {config.backend} at {handles.server_address} ({mode})")
+    where = f"{config.backend} at {handles.server_address} ({mode})"
+    print(f"kvray pool {config.name!r} is up: {where}")
     return 0
 
 

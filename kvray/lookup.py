@@ -14,6 +14,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvray.backends.base import Backend
 from kvray.errors import BackendError
 from kvray.keys import KeySpace
@@ -24,10 +26,10 @@ logger = logging.getLogger(__name__)
 
 def leading_hits(present: Sequence[bool], num_blocks: int, world_size: int) -> int:
     """Leading blocks present in every rank; ``present`` is rank-major."""
-    for i in range(num_blocks):
-        if not all(present[r * num_blocks + i] for r in range(world_size)):
-            return i
-    return num_blocks
+    if num_blocks == 0:
+        return 0
+    everywhere = np.asarray(present, dtype=bool).reshape(world_size, num_blocks).all(axis=0)
+    return num_blocks if everywhere.all() else int(np.argmin(everywhere))
 
 
 class LookupService:

@@ -33,7 +33,8 @@ def mooncake_master():
     from kvray.master import MooncakeMaster
 
     with tempfile.TemporaryDirectory(prefix="kvray-test-master-") as log_dir:
-        master = MooncakeMaster(MooncakeMasterConfig(default_kv_lease_ttl_ms=200, client_ttl_s=2), log_dir)
+        config = MooncakeMasterConfig(default_kv_lease_ttl_ms=200, client_ttl_s=2)
+        master = MooncakeMaster(config, log_dir)
         master.start()
         yield master
         master.stop()

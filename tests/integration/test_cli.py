@@ -16,9 +16,22 @@ def kvray(gcs_address: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "32MB"}
     env.pop("MOONCAKE_CONFIG_PATH", None)
     return subprocess.run(
-        [sys.executable, "-m", "kvray.cli", "--address", gcs_address, "--namespace", "kvray-cli",
-         "--name", "clitest", *args],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvray.cli",
+            "--address",
+            gcs_address,
+            "--namespace",
+            "kvray-cli",
+            "--name",
+            "clitest",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import os
 
 import numpy as np
 import psutil
@@ -19,7 +18,13 @@ from kvray.errors import (
     TransferError,
 )
 from kvray.master import free_port
-from kvray.naming import backend_name, lookup_name, manager_name, placement_group_name, region_prefix
+from kvray.naming import (
+    backend_name,
+    lookup_name,
+    manager_name,
+    placement_group_name,
+    region_prefix,
+)
 
 from .conftest import small_config
 
@@ -36,7 +41,8 @@ def assert_nothing_left(cfg, master_pid=None):
         ray.util.get_placement_group(placement_group_name(cfg.name))
     assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []
     if master_pid is not None:
-        assert not psutil.pid_exists(master_pid) or psutil.Process(master_pid).status() == psutil.STATUS_ZOMBIE
+        gone = not psutil.pid_exists(master_pid)
+        assert gone or psutil.Process(master_pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_embedded_master_lifecycle(ray_cluster):

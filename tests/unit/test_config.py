@@ -36,7 +36,9 @@ def test_mooncake_json_as_deployments_write_it(tmp_path):
 
 
 def test_env_overrides_json(tmp_path):
-    path = write(tmp_path, {"master_server_address": "10.0.0.5:50088", "global_segment_size": "1GB"})
+    path = write(
+        tmp_path, {"master_server_address": "10.0.0.5:50088", "global_segment_size": "1GB"}
+    )
     env = {
         "MOONCAKE_CONFIG_PATH": path,
         "MOONCAKE_MASTER": "127.0.0.1:6000",
@@ -102,7 +104,8 @@ def test_fabric_mem_requires_whole_gib(tmp_path):
     env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "2GB"
     assert MooncakeConfig.from_env(env).global_segment_size == 2 * GIB
     # Without fabric memory any size is fine.
-    assert MooncakeConfig.from_env({"MOONCAKE_GLOBAL_SEGMENT_SIZE": "1280MB"}).global_segment_size == 1280 << 20
+    plain = MooncakeConfig.from_env({"MOONCAKE_GLOBAL_SEGMENT_SIZE": "1280MB"})
+    assert plain.global_segment_size == 1280 << 20
 
 
 def test_protocol_detected_from_devices(tmp_path):
@@ -190,3 +193,16 @@ def test_pool_config_errors(data, fragment):
 def test_config_round_trips_through_json():
     cfg = PoolConfig.from_dict({"world_size": 2}, environ={})
     assert PoolConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_example_configs_parse():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    assert (
+        PoolConfig.from_file(root / "pool.yaml", environ={}).mooncake.master_server_address is None
+    )
+    ext = PoolConfig.from_file(root / "pool-external-master.yaml", environ={})
+    assert ext.mooncake.protocol == "rdma" and ext.world_size == 8
+    mc = MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(root / "mooncake.json")})
+    assert mc.global_segment_size == GIB

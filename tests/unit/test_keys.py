@@ -30,7 +30,7 @@ def test_key_string_round_trip():
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "a@b", "x", f"m@{LAYOUT}@tp0@pp0@abc", f"m@{LAYOUT}@tpX@pp0@ab", f"m@bad@tp0@pp0@ab"],
+    ["", "a@b", "x", f"m@{LAYOUT}@tp0@pp0@abc", f"m@{LAYOUT}@tpX@pp0@ab", "m@bad@tp0@pp0@ab"],
 )
 def test_bad_key_strings(bad):
     with pytest.raises(KeyFormatError):

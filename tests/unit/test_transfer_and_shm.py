@@ -56,7 +56,9 @@ def test_batch_bounds(region):
     with pytest.raises(RegionError, match="length > 0"):
         TransferBatch.contiguous(region.spec, ["a"], [0], [0])
     with pytest.raises(RegionError, match="must both be"):
-        TransferBatch(region.spec, ("a", "b"), np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64))
+        TransferBatch(
+            region.spec, ("a", "b"), np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64)
+        )
 
 
 def test_multi_piece_batch(region):

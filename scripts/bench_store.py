@@ -1,0 +1,297 @@
+"""Store benchmark: kvray's data plane against the raw Mooncake batch API and memcpy.
+
+One run measures, on the same machine and bytes:
+
+- ``memcpy``: numpy copy of the whole payload (the ceiling of any host-memory path);
+- ``raw``: ``batch_put_from`` / ``batch_get_into`` of an in-process Mooncake client
+  against its own ``mooncake_master`` (the baseline);
+- ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region
+  (what the vLLM connector does: one Ray call per batch, bytes moved by the rank's
+  BackendClient actor, nothing through Ray's object store);
+- ``kvray staged``: the same for ordinary arrays, copied through the staging window;
+- prefix lookup latency of ``blocks`` hashes through the Lookup actor.
+
+Each figure is the median of ``--reps`` repetitions after one warm-up (the first pass
+over a fresh Mooncake segment faults its pages in and is several times slower).
+
+    .venv/bin/python scripts/bench_store.py --json bench-results/bench_store.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+
+import numpy as np  # noqa: E402
+
+from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(
+    name: str, reps: int, setup: Callable[[], object], run: Callable[[], object]
+) -> list[float]:
+    """Warm-up once, then ``reps`` timed runs, each after ``setup``."""
+    times = []
+    for rep in range(reps + 1):
+        setup()
+        dt = timed(run)
+        if rep:
+            times.append(dt)
+        log(f"   {name:<18} rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: {dt * 1e3:8.1f} ms")
+    return times
+
+
+def bench_memcpy(src: np.ndarray, dst: np.ndarray, reps: int) -> float:
+    times = measure("memcpy", reps, lambda: None, lambda: np.copyto(dst, src))
+    return src.nbytes / statistics.median(times) / 1e9
+
+
+def lookup_space() -> KeySpace:
+    return KeySpace("bench", KVLayout("float16", 16, 8, 128).tag())
+
+
+def lookup_hashes(blocks: int) -> list[bytes]:
+    return list(chain_block_hashes(list(range(blocks * 16)), 16))
+
+
+def bench_raw(
+    src: np.ndarray,
+    dst: np.ndarray,
+    blocks: int,
+    block: int,
+    segment: int,
+    reps: int,
+    lookup_reps: int,
+) -> tuple[float, float, float]:
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    from kvray.config import MooncakeMasterConfig
+    from kvray.master import MooncakeMaster
+
+    with tempfile.TemporaryDirectory() as logs:
+        master = MooncakeMaster(MooncakeMasterConfig(), logs)
+        master.start()
+        try:
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                "127.0.0.1", "P2PHANDSHAKE", segment, 64 << 20, "tcp", "", master.address
+            )
+            assert rc == 0, f"raw mooncake setup failed: {rc}"
+            store.register_buffer(src.ctypes.data, src.nbytes)
+            store.register_buffer(dst.ctypes.data, dst.nbytes)
+            cfg = ReplicateConfig()
+            cfg.preferred_segments = [store.get_hostname()]  # as kvray does: local segment
+            keys = [f"raw-{i}" for i in range(blocks)]
+            sptr = [src.ctypes.data + i * block for i in range(blocks)]
+            dptr = [dst.ctypes.data + i * block for i in range(blocks)]
+            sizes = [block] * blocks
+
+            def put() -> None:
+                rcs = store.batch_put_from(keys, sptr, sizes, cfg)
+                assert all(r == 0 for r in rcs), f"raw put failed: {set(rcs)}"
+
+            def get() -> None:
+                got = store.batch_get_into(keys, dptr, sizes)
+                assert all(g == block for g in got), f"raw get failed: {set(got)}"
+
+            def clear() -> None:
+                store.batch_remove(keys, True)
+
+            put_t = measure("raw put", reps, clear, put)
+            get_t = measure("raw get", reps, lambda: None, get)
+            assert np.array_equal(src, dst), "raw round trip is not byte-exact"
+            clear()
+            # The lookup baseline: the same exists query, in-process, no Ray call.
+            lookup_keys = lookup_space().rank_key_strs(lookup_hashes(blocks), 0)
+            store.batch_put_from(lookup_keys, [src.ctypes.data] * blocks, [64] * blocks, cfg)
+            exists_ms = []
+            for _ in range(lookup_reps):
+                t0 = time.perf_counter()
+                assert all(r == 1 for r in store.batch_is_exist(lookup_keys))
+                exists_ms.append((time.perf_counter() - t0) * 1e3)
+            store.close()
+        finally:
+            master.stop()
+    n = blocks * block
+    return (
+        n / statistics.median(put_t) / 1e9,
+        n / statistics.median(get_t) / 1e9,
+        statistics.median(exists_ms),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=1000)
+    parser.add_argument("--block-kib", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--lookup-reps", type=int, default=200)
+    parser.add_argument("--json", type=Path, help="write results here")
+    args = parser.parse_args()
+    if args.reps < 3:
+        parser.error("--reps must be >= 3 (medians of fewer are noise)")
+
+    import ray
+
+    from kvray import Pool, PoolConfig
+    from kvray.ray_env import ray_init
+
+    blocks, block = args.blocks, args.block_kib << 10
+    nbytes = blocks * block
+    segment = max(64 << 20, int(nbytes * 1.5) // (1 << 20) << 20)
+    log(
+        f"== {blocks} blocks x {args.block_kib} KiB = {nbytes / (1 << 20):.0f} MiB, "
+        f"median of {args.reps} reps (+1 warm-up)"
+    )
+    rng = np.random.default_rng(0)
+    payload = rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+    log("== memcpy")
+    dst = np.empty_like(payload)
+    dst[:] = 0
+    memcpy = bench_memcpy(payload, dst, args.reps)
+
+    log("== raw mooncake (in-process client, own master)")
+    raw_dst = np.zeros_like(payload)
+    raw_put, raw_get, raw_exists_ms = bench_raw(
+        payload, raw_dst, blocks, block, segment, args.reps, args.lookup_reps
+    )
+    del raw_dst
+
+    log("== kvray (local Ray on loopback, 1-rank pool, embedded master)")
+    ray_init(num_cpus=2)
+    pool = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "bench",
+                "world_size": 1,
+                "detached": False,
+                "transfer_window_size": "64MB",
+                "mooncake": {"global_segment_size": segment, "local_buffer_size": "64MB"},
+            },
+            environ={},
+        )
+    )
+    results: dict[str, dict[str, float]] = {}
+    try:
+        keys = [f"kv-{i}" for i in range(blocks)]
+        src = pool.empty((blocks, block), np.uint8)
+        src.reshape(-1)[:] = payload
+        out = pool.empty((blocks, block), np.uint8)
+        src_rows, out_rows = list(src), list(out)
+
+        def clear() -> None:
+            pool.remove(keys, force=True)
+
+        put_t = measure("kvray put", args.reps, clear, lambda: pool.put(keys, src_rows))
+        get_t = measure("kvray get", args.reps, lambda: None, lambda: pool.get(keys, out=out_rows))
+        assert np.array_equal(src, out), "kvray round trip is not byte-exact"
+
+        plain_src = [payload[i * block : (i + 1) * block] for i in range(blocks)]
+        plain_out = [np.empty(block, np.uint8) for _ in range(blocks)]
+        sput_t = measure("kvray staged put", args.reps, clear, lambda: pool.put(keys, plain_src))
+        sget_t = measure(
+            "kvray staged get", args.reps, lambda: None, lambda: pool.get(keys, out=plain_out)
+        )
+        assert all(np.array_equal(a, b) for a, b in zip(plain_src, plain_out, strict=True))
+
+        log(f"== prefix lookup of {blocks} blocks through the Lookup actor")
+        clear()
+        space, hashes = lookup_space(), lookup_hashes(blocks)
+        tiny = np.zeros(64, np.uint8)
+        pool.put([space.key(h) for h in hashes], [tiny] * blocks)
+        assert pool.lookup(space, hashes) == blocks, "lookup does not see all blocks"
+        lat = []
+        for i in range(args.lookup_reps):
+            t0 = time.perf_counter()
+            pool.lookup(space, hashes)
+            lat.append((time.perf_counter() - t0) * 1e3)
+            if (i + 1) % 50 == 0:
+                log(f"   lookup {i + 1}/{args.lookup_reps}")
+        lat.sort()
+        floor = []
+        for _ in range(args.lookup_reps):
+            t0 = time.perf_counter()
+            pool.lookup(space, [])
+            floor.append((time.perf_counter() - t0) * 1e3)
+        results = {
+            "gbps": {
+                "kvray_put": nbytes / statistics.median(put_t) / 1e9,
+                "kvray_get": nbytes / statistics.median(get_t) / 1e9,
+                "raw_put": raw_put,
+                "raw_get": raw_get,
+                "memcpy": memcpy,
+                "kvray_staged_put": nbytes / statistics.median(sput_t) / 1e9,
+                "kvray_staged_get": nbytes / statistics.median(sget_t) / 1e9,
+            },
+            "lookup_ms": {
+                "p50": statistics.median(lat),
+                "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                # Baselines from the same run: the Ray call alone (an empty lookup) and
+                # the same exists query in-process without Ray.
+                "ray_call_floor_p50": statistics.median(floor),
+                "raw_exists_p50": raw_exists_ms,
+            },
+            "params": {
+                "blocks": blocks,
+                "block_bytes": block,
+                "reps": args.reps,
+                "lookup_reps": args.lookup_reps,
+                "cpus": os.cpu_count(),
+            },
+        }
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+
+    g = results["gbps"]
+    print()
+    print(f"{'path':<22}{'put GB/s':>10}{'get GB/s':>10}{'put/raw':>9}{'get/raw':>9}")
+    rows = [
+        ("memcpy (ceiling)", memcpy, memcpy),
+        ("raw mooncake", raw_put, raw_get),
+        ("kvray (shared region)", g["kvray_put"], g["kvray_get"]),
+        ("kvray (staged copy)", g["kvray_staged_put"], g["kvray_staged_get"]),
+    ]
+    for name, p, q in rows:
+        print(f"{name:<22}{p:>10.2f}{q:>10.2f}{p / raw_put:>9.2f}{q / raw_get:>9.2f}")
+    lk = results["lookup_ms"]
+    print(f"\nprefix lookup of {blocks} blocks (ms){'p50':>8}{'p99':>8}")
+    print(f"{'kvray Pool.lookup (Ray call)':<29}{lk['p50']:>8.2f}{lk['p99']:>8.2f}")
+    print(f"{'  of which Ray call floor':<29}{lk['ray_call_floor_p50']:>8.2f}")
+    print(f"{'raw batch_is_exist in-process':<29}{lk['raw_exists_p50']:>8.2f}")
+    put_x, get_x = g["kvray_put"] / raw_put, g["kvray_get"] / raw_get
+    print(
+        f"\ntargets: kvray >= 0.8x raw: put {put_x:.2f}x, get {get_x:.2f}x; "
+        f"lookup p50 <= 2 ms: {lk['p50']:.2f} ms"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

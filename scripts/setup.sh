@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install what kvray needs, idempotently: Debian packages (when root) and .venv.
+#   scripts/setup.sh            CPU build: Mooncake non-cuda wheel + dev tools
+#   KVRAY_EXTRAS=cuda,dev scripts/setup.sh   another hardware flavour
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="${KVRAY_EXTRAS:-cpu,dev}"
+python="${PYTHON:-python3}"
+
+need_apt=()
+# Mooncake's transfer engine links libibverbs.so.1 but its wheel does not ship it.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need_apt+=(libibverbs1)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        echo "==> apt-get install ${need_apt[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    else
+        echo "!! missing Debian packages: ${need_apt[*]} (run as root or: sudo apt-get install ${need_apt[*]})" >&2
+        exit 1
+    fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "==> creating .venv"
+    "$python" -m venv .venv
+fi
+stamp=".venv/.kvray-${extras//,/-}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "==> pip install -e .[$extras]"
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/pip install -q -e ".[$extras]"
+    touch "$stamp"
+fi
+# A broken install must fail here, not inside a test.
+.venv/bin/python -c "import mooncake.store, ray, kvray" 2>/dev/null || {
+    echo "!! kvray's environment does not import; see the pip output above" >&2
+    exit 1
+}
+echo "==> environment ready (.venv, extras: $extras)"

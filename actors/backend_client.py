@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Sequence
@@ -15,6 +16,11 @@ from kvray.keys import probe_hash
 from kvray.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
+logger = logging.getLogger(__name__)
+
+REGION_SWEEP_S = 30.0
+"""How often mappings of regions whose owner went away are dropped."""
+
 
 class BackendClientActor:
     """All methods are async; native calls run on the backend's own thread pool."""
@@ -23,6 +29,21 @@ class BackendClientActor:
         logging.basicConfig(level=logging.INFO)
         config = PoolConfig.model_validate_json(config_json)
         self._store = RankStore(make_backend(config, server_address), rank)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def _ensure_sweeper(self) -> None:
+        # Started from the first data call: __init__ runs before the actor's loop does.
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_regions())
+
+    async def _sweep_regions(self) -> None:
+        """Reconcile loop: each pass is idempotent and a failure only skips one pass."""
+        while True:
+            await asyncio.sleep(REGION_SWEEP_S)
+            try:
+                await self._store.drop_stale_regions()
+            except Exception:
+                logger.exception("rank %d: region sweep failed", self._store.rank)
 
     async def probe(self) -> dict[str, Any]:
         return {
@@ -33,9 +54,11 @@ class BackendClientActor:
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        self._ensure_sweeper()
         return await self._store.put(batch, overwrite=overwrite)
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        self._ensure_sweeper()
         return await self._store.get(batch)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -54,4 +77,6 @@ class BackendClientActor:
         return self._store.snapshot()
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         await self._store.close()

@@ -21,6 +21,7 @@ Ray call carries a whole batch.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import sys
@@ -44,6 +45,7 @@ from kvray.errors import (
 )
 from kvray.keys import BlockKey, KeySpace
 from kvray.naming import region_prefix
+from kvray.ray_env import ray_init
 from kvray.shm import SharedRegion
 from kvray.stats import RankStats
 from kvray.status import PoolStatus, RankStatus
@@ -131,6 +133,9 @@ class Pool:
         self._window: SharedRegion | None = None
         self._window_lock = asyncio.Lock()
         self._closed = False
+        # If the process exits without close(), still unlink our /dev/shm files (no Ray
+        # calls at exit: the actors drop mappings whose file is gone by themselves).
+        atexit.register(self._unlink_regions)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -139,6 +144,7 @@ class Pool:
         """Start a pool in the connected Ray cluster (or return the running one of the same
         name and config). Without a master address, kvray runs ``mooncake_master`` itself."""
         cfg = config if isinstance(config, PoolConfig) else PoolConfig.from_dict(config)
+        ray_init(namespace=cfg.namespace)
         return cls(launcher.launch(cfg), owner=True)
 
     @classmethod
@@ -148,6 +154,7 @@ class Pool:
     @classmethod
     def attach(cls, name: str = "kvray", namespace: str = "kvray") -> Pool:
         """Connect to the running pool ``name``; :meth:`close` leaves it running."""
+        ray_init(namespace=namespace)
         return cls(launcher.attach(name, namespace), owner=False)
 
     @classmethod
@@ -171,6 +178,12 @@ class Pool:
             self._loop.run(self._release_regions())
         finally:
             self._loop.stop()
+            atexit.unregister(self._unlink_regions)
+
+    def _unlink_regions(self) -> None:
+        for region in [*self._regions, self._window]:
+            if region is not None:
+                region.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -39,7 +39,7 @@ class RankStore:
             return region
         if region is not None:
             await self.release_region(spec.region_id)
-        await self._drop_stale_regions()
+        await self.drop_stale_regions()
         region = SharedRegion.attach(spec)
         await self.backend.register_region(region.base_ptr, spec.size)
         self._regions[spec.region_id] = region
@@ -55,7 +55,8 @@ class RankStore:
         region.close()
         self.stats.regions = len(self._regions)
 
-    async def _drop_stale_regions(self) -> None:
+    async def drop_stale_regions(self) -> None:
+        """Unmap regions whose owner removed the file or died (idempotent)."""
         for region_id in [r for r, reg in self._regions.items() if reg.stale()]:
             logger.info("rank %d drops region %s: its owner is gone", self.rank, region_id)
             await self.release_region(region_id)

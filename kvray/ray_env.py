@@ -17,18 +17,16 @@ def ray_init(
     """``ray.init`` that stays on loopback when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``.
 
     With that variable set Ray binds 127.0.0.1, but a new local cluster must also be
-    told its node address, or it advertises the machine's external one.
+    told its node address, or it advertises the machine's external one. ``address=
+    "local"`` always starts a new cluster; ``None`` joins ``RAY_ADDRESS`` or the cluster
+    ``ray start`` made on this node, else starts one (Ray's own rule).
     """
     import ray
 
     if ray.is_initialized():
         return
     env = os.environ if environ is None else environ
-    if (
-        address is None
-        and env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
-        and "RAY_ADDRESS" not in env
-    ):
+    if address == "local" and env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
         kwargs.setdefault("_node_ip_address", "127.0.0.1")
         kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("log_to_driver", False)

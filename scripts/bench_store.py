@@ -180,7 +180,7 @@ def main() -> int:
     del raw_dst
 
     log("== kvray (local Ray on loopback, 1-rank pool, embedded master)")
-    ray_init(num_cpus=2)
+    ray_init("local", num_cpus=2)
     pool = Pool.start(
         PoolConfig.from_dict(
             {

@@ -29,7 +29,7 @@ def step(title: str) -> None:
 
 step("starting a local Ray cluster on 127.0.0.1")
 t0 = time.monotonic()
-ray_init(num_cpus=4)
+ray_init("local", num_cpus=4)
 print(f"   Ray up in {time.monotonic() - t0:.1f} s")
 
 step("starting a 2-rank kvray pool (embedded mooncake_master)")

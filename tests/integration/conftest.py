@@ -21,7 +21,7 @@ def ray_cluster():
     from kvray.ray_env import ray_init
 
     # Logical CPUs: actors reserve fractions; the real 2 cores are shared anyway.
-    ray_init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
+    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

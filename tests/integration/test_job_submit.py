@@ -7,8 +7,10 @@ stop the Ray processes it started), separate from the session's in-process clust
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -26,6 +28,9 @@ def head_with_dashboard(tmp_path):
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}  # jobs run our python
     gcs, dash = free_port(), free_port()
+    # Its own temp dir (short: Ray's socket paths have a length limit), so the
+    # ray_current_cluster file it writes never redirects another test's ray.init().
+    temp_dir = tempfile.mkdtemp(prefix="kvray-ray-")
     log = (tmp_path / "head.log").open("wb")  # noqa: SIM115  (outlives this statement)
     proc = subprocess.Popen(
         [
@@ -40,6 +45,13 @@ def head_with_dashboard(tmp_path):
             "--num-cpus=2",
             "--include-dashboard=true",
             "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            # Fixed defaults (agent 52365, ...) collide with the session's own cluster.
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
         ],
         env=env,
         stdout=log,
@@ -62,37 +74,25 @@ def head_with_dashboard(tmp_path):
     proc.terminate()
     proc.wait(timeout=60)
     log.close()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.timeout(300)
 def test_pool_job_under_ray_job_submit(head_with_dashboard):
     url, env = head_with_dashboard
-    res = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ray"),
-            "job",
-            "submit",
-            "--address",
-            url,
-            "--working-dir",
-            str(ROOT),
-            "--",
-            "python",
-            "scripts/pool_job.py",
-            "--name",
-            "jobtest",
-            "--start",
-            "--down",
-            "--requests",
-            "4",
-            "--blocks",
-            "8",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", url,
+        "--working-dir", str(ROOT), "--",
+        "python", "scripts/pool_job.py", "--name", "jobtest", "--start", "--down",
+        "--requests", "4", "--blocks", "8",
+    ]  # fmt: skip
+    deadline = time.monotonic() + 90
+    while True:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        # The dashboard answers before the node's job agent registers with it.
+        if "No available agent" not in res.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "started pool 'jobtest'" in out

@@ -1,0 +1,78 @@
+"""Build a small Llama checkpoint locally (no downloads) for tests, demos and benchmarks.
+
+A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` with
+seeded random weights, saved with ``save_pretrained``: vLLM loads it like any model
+directory. Building is deterministic, so two builds give the same outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A KV cache stores the keys and values of attention for every token.",
+    "Prefill computes the cache once; decode reads it for every new token.",
+    "Ray runs actors on every node of the cluster and schedules their tasks.",
+    "Mooncake pools host memory across machines for large language models.",
+] * 40
+
+
+def build_tiny_llama(
+    path: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write the model to ``path`` (skipped if a build with these settings is there)."""
+    path = Path(path)
+    settings = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_layers": num_layers,
+        "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+        "max_positions": max_positions, "seed": seed,
+    }  # fmt: skip
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path

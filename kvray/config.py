@@ -227,6 +227,9 @@ class ConnectorConfig(_Strict):
     """Ray cluster to join from multiprocessing-executor workers (default: ``auto``)."""
     lookup_timeout_ms: float = Field(200.0, gt=0)
     """A lookup slower than this is a miss, never a stall."""
+    model_namespace: str | None = Field(None, pattern=r"^[^\s@]{1,200}$")
+    """First part of every block key; default: the model directory's or id's last part.
+    Engines share blocks only under the same namespace (and KV layout)."""
 
     @field_validator("prefill_pp_layer_partition")
     @classmethod

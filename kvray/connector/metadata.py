@@ -1,0 +1,43 @@
+"""What the scheduler side tells the worker side each step: typed, small, picklable.
+
+Block hashes travel as raw bytes; each worker turns them into its own rank's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOp:
+    """Move whole blocks of one request between the pool and the engine's KV cache."""
+
+    req_id: str
+    block_hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.block_hashes) == len(self.block_ids), "BlockOp: one block id per hash"
+
+
+@dataclass
+class KVRayMetadata(KVConnectorMetadata):
+    """One engine step's work for every worker of the instance."""
+
+    loads: list[BlockOp] = field(default_factory=list)
+    """Loads to finish before this step's forward (synchronous)."""
+    async_loads: list[BlockOp] = field(default_factory=list)
+    """Loads reported through ``get_finished`` (requests wait in WAITING_FOR_REMOTE_KVS)."""
+    saves: list[BlockOp] = field(default_factory=list)
+    """Blocks this step completes; stored after the forward."""
+    delayed_frees: list[str] = field(default_factory=list)
+    """Finished requests whose blocks stay allocated until their saves completed."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests whose blocks were freed: their in-flight saves must drain first."""
+
+    def is_empty(self) -> bool:
+        return not (
+            self.loads or self.async_loads or self.saves or self.delayed_frees or self.preempted
+        )

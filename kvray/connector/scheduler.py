@@ -1,0 +1,277 @@
+"""Scheduler side of KVRayConnector: prefix lookups, load and save planning.
+
+Nothing here blocks a scheduler step. A lookup is one Ray call to the Lookup actor;
+``get_num_new_matched_tokens`` returns ``None`` ("ask again") until its ObjectRef is
+ready, and treats a lookup older than ``lookup_timeout_ms`` (or a failed one) as a miss,
+logged once and counted. A hit is pinned by the backend's read lease (Mooncake grants
+one per ``exists``) until it is loaded; a block that vanished anyway fails its load,
+which the worker reports to vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from kvray.connector.common import InstanceInfo, attach_pool
+from kvray.connector.metadata import BlockOp, KVRayMetadata
+from kvray.connector.stats import KVRayConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def hash_bytes(h: Any) -> bytes:
+    """vLLM's block hashes are bytes (sha256); non-crypto algorithms give ints."""
+    return h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True)
+
+
+@dataclass
+class _Lookup:
+    ref: Any
+    started: float
+
+
+@dataclass
+class _Request:
+    """What the scheduler side tracks per request, from admission to finish."""
+
+    request: Request
+    local_blocks: int
+    """Leading blocks vLLM's own prefix cache had."""
+    pool_blocks: int = 0
+    """Leading blocks after those that the pool had (and that get loaded)."""
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+    """First block not yet stored (or known to be in the pool)."""
+    computed_tokens: int = 0
+    saves_issued: bool = False
+    load_failed_blocks: int = 0
+    earlier: tuple[int, int, int] = (0, 0, 0)
+    """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
+    load or a preemption sends it through lookup again)."""
+
+    def totals(self) -> tuple[int, int, int]:
+        hit, loaded, failed = self.earlier
+        return (
+            max(hit, self.pool_blocks),
+            loaded + self.pool_blocks - self.load_failed_blocks,
+            failed + self.load_failed_blocks,
+        )
+
+
+class KVRayScheduler:
+    """One per engine instance, in the scheduler process."""
+
+    def __init__(self, info: InstanceInfo) -> None:
+        self.info = info
+        self.block_size = info.block_size
+        self._timeout_s = info.config.lookup_timeout_ms / 1e3
+        handles = attach_pool(info.config, info.space.world_size)
+        self._lookup_actor = handles.lookups[0]
+        # The first call from a new process sets up Ray's connection to the actor (often
+        # longer than a lookup timeout): pay it now, not as a miss on the first request.
+        ray.get(self._lookup_actor.lookup.remote(info.space, [], self._timeout_s), timeout=60)
+        self._lookups: dict[str, _Lookup] = {}
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[BlockOp] = []
+        self._async_loads: list[BlockOp] = []
+        self._delayed: list[str] = []
+        self._awaiting_frees: set[str] = set()
+        self._block_owner: dict[int, str] = {}
+        self._preempted: list[str] = []
+        self.stats = KVRayConnectorStats()
+        self._warned: set[str] = set()
+        logger.info(
+            "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
+            info.config.pool_name,
+            handles.server_address,
+            info.space.namespace,
+            info.space.layout,
+            info.space.tp_size,
+            info.space.pp_size,
+            info.config.load_async,
+        )
+
+    # ---- lookup --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        local = num_computed_tokens // self.block_size
+        hashes = request.block_hashes
+        if not self.info.can_load or len(hashes) <= local:
+            self._admit(_Request(request, local, next_save=local))
+            return 0, False
+        pending = self._lookups.get(rid)
+        if pending is None:
+            ref = self._lookup_actor.lookup.remote(
+                self.info.space, [hash_bytes(h) for h in hashes[local:]], self._timeout_s
+            )
+            self._lookups[rid] = _Lookup(ref, time.monotonic())
+            return None, False
+        ready, _ = ray.wait([pending.ref], timeout=0)
+        if not ready:
+            if time.monotonic() - pending.started < self._timeout_s:
+                return None, False
+            self._lookups.pop(rid)
+            ray.cancel(pending.ref)
+            self.stats.add("lookup_misses_timeout")
+            self._warn_once(
+                "timeout",
+                "pool lookup slower than %.0f ms: counted as a miss",
+                self._timeout_s * 1e3,
+            )
+            hit = 0
+        else:
+            self._lookups.pop(rid)
+            try:
+                hit = int(ray.get(pending.ref))
+            except ray.exceptions.RayError as exc:
+                self.stats.add("lookup_errors")
+                self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
+                hit = 0
+        self.stats.add("lookups")
+        self.stats.add("lookup_blocks", len(hashes) - local)
+        self.stats.add("lookup_hit_blocks", hit)
+        # A full hit still leaves the last token to compute: vLLM needs one new token.
+        hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
+        external = max(0, hit_tokens - num_computed_tokens)
+        pool_blocks = -(-external // self.block_size) if external else 0
+        self._admit(
+            _Request(request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks)
+        )
+        if external == 0:
+            return 0, False
+        return external, self.info.config.load_async
+
+    def _admit(self, st: _Request) -> None:
+        prev = self._reqs.get(st.request.request_id)
+        if prev is not None:
+            st.earlier = prev.totals()
+            st.saves_issued = prev.saves_issued
+        self._reqs[st.request.request_id] = st
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:  # admitted without a lookup (e.g. resumed): nothing to load
+            st = self._reqs[request.request_id] = _Request(request, 0)
+        st.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        first, last = st.local_blocks, st.local_blocks + st.pool_blocks
+        op = BlockOp(
+            request.request_id,
+            tuple(hash_bytes(h) for h in request.block_hashes[first:last]),
+            tuple(st.block_ids[first:last]),
+        )
+        (self._async_loads if self.info.config.load_async else self._loads).append(op)
+        for block_id in op.block_ids:
+            self._block_owner[block_id] = request.request_id
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                st.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+        saves = self._plan_saves(scheduled) if self.info.can_save else []
+        for rid in scheduler_output.preempted_req_ids or ():
+            self._reqs.pop(rid, None)
+            self._preempted.append(rid)
+        meta = KVRayMetadata(self._loads, self._async_loads, saves, self._delayed, self._preempted)
+        self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
+        return meta
+
+    def _plan_saves(self, scheduled: dict[str, int]) -> list[BlockOp]:
+        """Prompt blocks completed by this step and not yet in the pool."""
+        saves = []
+        for rid in scheduled:
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            full = min(st.computed_tokens, req.num_prompt_tokens) // self.block_size
+            full = min(full, len(req.block_hashes), len(st.block_ids))
+            if full <= st.next_save:
+                continue
+            saves.append(
+                BlockOp(
+                    rid,
+                    tuple(hash_bytes(h) for h in req.block_hashes[st.next_save : full]),
+                    tuple(st.block_ids[st.next_save : full]),
+                )
+            )
+            st.next_save = full
+            st.saves_issued = True
+        return saves
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self._awaiting_frees.discard(rid)
+        for block_id in output.invalid_block_ids or ():
+            owner = self._block_owner.get(block_id)
+            st = self._reqs.get(owner) if owner else None
+            if st is not None:
+                st.load_failed_blocks += 1
+                # vLLM recomputes from the first failed block: store those blocks again.
+                if block_id in st.block_ids:
+                    st.next_save = min(st.next_save, st.block_ids.index(block_id))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        st = self._reqs.pop(rid, None)
+        for block_id in block_ids:
+            if self._block_owner.get(block_id) == rid:
+                del self._block_owner[block_id]
+        if st is None:
+            return False, None
+        hit, loaded, failed = st.totals()
+        saved = max(0, st.next_save - st.local_blocks - st.pool_blocks)
+        logger.info(
+            "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
+            *(rid, len(request.block_hashes), st.local_blocks, hit, loaded, failed, saved),
+        )
+        if not st.saves_issued:
+            return False, None
+        # Keep the blocks until every worker reports its saves of them done.
+        self._delayed.append(rid)
+        self._awaiting_frees.add(rid)
+        return True, None
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_frees or self._delayed)
+
+    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("%s (further ones are only counted)", msg % args)

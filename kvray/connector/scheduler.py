@@ -55,6 +55,7 @@ class _Request:
     """First block not yet stored (or known to be in the pool)."""
     computed_tokens: int = 0
     saves_issued: bool = False
+    saved_blocks: int = 0
     load_failed_blocks: int = 0
     earlier: tuple[int, int, int] = (0, 0, 0)
     """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
@@ -160,6 +161,7 @@ class KVRayScheduler:
         if prev is not None:
             st.earlier = prev.totals()
             st.saves_issued = prev.saves_issued
+            st.saved_blocks = prev.saved_blocks
         self._reqs[st.request.request_id] = st
 
     def update_state_after_alloc(
@@ -228,6 +230,7 @@ class KVRayScheduler:
                     tuple(st.block_ids[st.next_save : full]),
                 )
             )
+            st.saved_blocks += full - st.next_save
             st.next_save = full
             st.saves_issued = True
         return saves
@@ -256,7 +259,7 @@ class KVRayScheduler:
         if st is None:
             return False, None
         hit, loaded, failed = st.totals()
-        saved = max(0, st.next_save - st.local_blocks - st.pool_blocks)
+        saved = st.saved_blocks
         logger.info(
             "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
             *(rid, len(request.block_hashes), st.local_blocks, hit, loaded, failed, saved),

@@ -69,6 +69,7 @@ def main() -> int:
         dtype="float32",
         max_model_len=4096,
         enable_prefix_caching=False,
+        distributed_executor_backend=spec.get("executor"),
         seed=0,
         **kwargs,
     )

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+PARALLEL_MIN_BYTES = 8 << 20
+"""Batches at least this large are split across the adapter's threads."""
+
 # Mooncake ErrorCode values (mooncake-store/include/types.h); the binding does not
 # export the enum, so the numbers live here, at the one boundary that sees them.
 OK = 0
@@ -141,6 +144,7 @@ class MooncakeBackend(Backend):
             # The native prefer_alloc_in_same_node flag makes batch_put_from reject the
             # whole batch (-600) in 0.3.x; the local segment is the same-node choice.
             self._replicate.preferred_segments = [self._segment_name]
+        self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvray-mooncake")
         self._closed = False
         logger.info(
@@ -165,6 +169,25 @@ class MooncakeBackend(Backend):
         _raise_if_unavailable("exists", codes, self._address)
         return [c == 1 for c in codes]
 
+    async def _split_call(
+        self, fn: Callable[..., list[int]], keys: list[str], lists: list[list[Any]], *tail: Any
+    ) -> list[int]:
+        """One native batch call, or ``io_threads`` of them on contiguous slices when the
+        batch is large: each call copies on one thread, and the native calls release the
+        GIL, so big transfers use several cores."""
+        nbytes = sum(sum(s) for s in lists[-1])
+        n = min(self._io_threads, len(keys)) if nbytes >= PARALLEL_MIN_BYTES else 1
+        if n <= 1:
+            return list(await self._call(fn, keys, *lists, *tail))
+        bounds = [len(keys) * i // n for i in range(n + 1)]
+        parts = await asyncio.gather(
+            *(
+                self._call(fn, keys[lo:hi], *(col[lo:hi] for col in lists), *tail)
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+            )
+        )
+        return [code for part in parts for code in part]
+
     async def put(
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
     ) -> list[KeyStatus]:
@@ -172,21 +195,17 @@ class MooncakeBackend(Backend):
             return []
         keys = list(keys)
         if all(len(p) == 1 for p in ptrs):
-            flat_p = [p[0] for p in ptrs]
-            flat_s = [s[0] for s in sizes]
             fn = self._store.batch_upsert_from if overwrite else self._store.batch_put_from
-            codes = await self._call(fn, keys, flat_p, flat_s, self._replicate)
+            lists: list[list[Any]] = [[p[0] for p in ptrs], [s[0] for s in sizes]]
+            codes = await self._split_call(fn, keys, lists, self._replicate)
         else:
             if overwrite:
                 # Mooncake has no multi-buffer upsert: remove, then write. A reader in
                 # between sees a miss, never mixed bytes.
                 await self._call(self._store.batch_remove, keys, True)
-            codes = await self._call(
-                self._store.batch_put_from_multi_buffers,
-                keys,
-                [list(p) for p in ptrs],
-                [list(s) for s in sizes],
-                self._replicate,
+            lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
+            codes = await self._split_call(
+                self._store.batch_put_from_multi_buffers, keys, lists, self._replicate
             )
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]
@@ -195,17 +214,13 @@ class MooncakeBackend(Backend):
         if not keys:
             return []
         keys = list(keys)
+        lists: list[list[Any]]
         if all(len(p) == 1 for p in ptrs):
-            results = await self._call(
-                self._store.batch_get_into, keys, [p[0] for p in ptrs], [s[0] for s in sizes]
-            )
+            lists = [[p[0] for p in ptrs], [s[0] for s in sizes]]
+            results = await self._split_call(self._store.batch_get_into, keys, lists)
         else:
-            results = await self._call(
-                self._store.batch_get_into_multi_buffers,
-                keys,
-                [list(p) for p in ptrs],
-                [list(s) for s in sizes],
-            )
+            lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
+            results = await self._split_call(self._store.batch_get_into_multi_buffers, keys, lists)
         _raise_if_unavailable("get", results, self._address)
         out = []
         for r, s in zip(results, sizes, strict=True):

@@ -158,7 +158,8 @@ class KVRayScheduler:
 
     def _admit(self, st: _Request) -> None:
         prev = self._reqs.get(st.request.request_id)
-        if prev is not None:
+        # Only an admission that got blocks happened; one whose allocation failed is redone.
+        if prev is not None and prev.block_ids:
             st.earlier = prev.totals()
             st.saves_issued = prev.saves_issued
             st.saved_blocks = prev.saved_blocks
@@ -205,7 +206,10 @@ class KVRayScheduler:
             st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
         saves = self._plan_saves(scheduled) if self.info.can_save else []
         for rid in scheduler_output.preempted_req_ids or ():
-            self._reqs.pop(rid, None)
+            st = self._reqs.pop(rid, None)
+            for block_id in st.block_ids if st else ():
+                if self._block_owner.get(block_id) == rid:
+                    del self._block_owner[block_id]
             self._preempted.append(rid)
         meta = KVRayMetadata(self._loads, self._async_loads, saves, self._delayed, self._preempted)
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []

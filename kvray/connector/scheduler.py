@@ -39,6 +39,8 @@ def hash_bytes(h: Any) -> bytes:
 class _Lookup:
     ref: Any
     started: float
+    first_block: int
+    """The lookup counts leading hits from this block on."""
 
 
 @dataclass
@@ -105,6 +107,18 @@ class KVRayScheduler:
 
     # ---- lookup --------------------------------------------------------------------------
 
+    def _start_lookup(self, request: Request, first_block: int) -> _Lookup:
+        hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
+        ref = self._lookup_actor.lookup.remote(self.info.space, hashes, self._timeout_s)
+        pending = self._lookups[request.request_id] = _Lookup(ref, time.monotonic(), first_block)
+        return pending
+
+    def on_new_request(self, request: Request) -> None:
+        """Start the lookup as the request arrives, so that it is usually answered by the
+        time the scheduler first considers the request."""
+        if self.info.can_load and request.block_hashes:
+            self._start_lookup(request, 0)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -115,11 +129,8 @@ class KVRayScheduler:
             self._admit(_Request(request, local, next_save=local))
             return 0, False
         pending = self._lookups.get(rid)
-        if pending is None:
-            ref = self._lookup_actor.lookup.remote(
-                self.info.space, [hash_bytes(h) for h in hashes[local:]], self._timeout_s
-            )
-            self._lookups[rid] = _Lookup(ref, time.monotonic())
+        if pending is None or pending.first_block > local:
+            self._start_lookup(request, local)
             return None, False
         ready, _ = ray.wait([pending.ref], timeout=0)
         if not ready:
@@ -137,11 +148,17 @@ class KVRayScheduler:
         else:
             self._lookups.pop(rid)
             try:
-                hit = int(ray.get(pending.ref))
+                leading = int(ray.get(pending.ref))
             except ray.exceptions.RayError as exc:
                 self.stats.add("lookup_errors")
                 self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
-                hit = 0
+                leading = 0
+            if pending.first_block + leading < local and pending.first_block < local:
+                # The early lookup (from block 0) stopped inside vLLM's local hit: what
+                # follows the local hit is still unknown, so look up from there.
+                self._start_lookup(request, local)
+                return None, False
+            hit = max(0, pending.first_block + leading - local)
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", len(hashes) - local)
         self.stats.add("lookup_hit_blocks", hit)

@@ -46,6 +46,7 @@ def _inject_drop_after_lookup(pool_name: str, namespace: str) -> None:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    os.environ.update(spec.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -70,6 +71,7 @@ def main() -> int:
         max_model_len=4096,
         enable_prefix_caching=False,
         distributed_executor_backend=spec.get("executor"),
+        tensor_parallel_size=spec.get("tp", 1),
         seed=0,
         **kwargs,
     )

@@ -1,0 +1,56 @@
+"""TP=2 under vLLM's multiprocessing executor: each worker process joins the Ray
+cluster, stores its own half of the heads under its rank's keys, and a block counts as
+a hit only when both ranks have it."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import BLOCK, prompts, run_engine
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pool2(cluster):
+    from kvray import Pool, PoolConfig
+
+    p = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "e2e-tp",
+                "world_size": 2,
+                "detached": False,
+                "mooncake": {"global_segment_size": "128MB", "local_buffer_size": "32MB"},
+            },
+            environ={},
+        )
+    )
+    yield p
+    p.shutdown()
+
+
+# vLLM binds each CPU worker's threads; with one NUMA node the binding must be given.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def test_tp2_ranks_store_and_load_their_halves(pool2, cluster, tiny_model, tmp_path):
+    prompt = prompts(11, 3 * BLOCK + 20)
+    conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray"}}
+    base = run_engine(
+        cluster, tmp_path, "tp-base",
+        {"model": tiny_model, "connector": None, "tp": 2, "env": TP_ENV, "runs": [[prompt]]},
+    )  # fmt: skip
+    out = run_engine(
+        cluster, tmp_path, "tp",
+        {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV,
+         "runs": [[prompt], [prompt]], "wait_saves_for": "e2e-tp"},
+    )  # fmt: skip
+    assert [r["outputs"][0] for r in out["runs"]] == [base["runs"][0]["outputs"][0]] * 2
+    first, second = [line for line in out["log"].splitlines() if "request_id=" in line][:2]
+    assert "hit_pool=0" in first and "saved=3" in first
+    assert "hit_pool=3" in second and "loaded=3" in second
+    # Each rank stored and loaded its own half of the heads, under its own keys.
+    ranks = pool2.stats().ranks
+    assert [r.stats.put_keys for r in ranks] == [3, 3]
+    assert [r.stats.get_keys for r in ranks] == [3, 3]

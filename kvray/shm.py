@@ -104,14 +104,14 @@ class SharedRegion:
 
 
 def remove_leftovers(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink regions named ``<prefix>-<pid>-<n>`` whose owner process is gone."""
+    """Unlink regions named ``<prefix>[-<tag>]-<pid>-<n>`` whose owner process is gone."""
     removed = []
     for path in shm_dir.glob(f"{prefix}-*"):
-        parts = path.name[len(prefix) + 1 :].split("-")
-        if len(parts) != 2 or not parts[0].isdigit():
+        parts = path.name.rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             continue
         try:
-            os.kill(int(parts[0]), 0)
+            os.kill(int(parts[1]), 0)
             continue
         except ProcessLookupError:
             pass

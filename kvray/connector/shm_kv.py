@@ -9,6 +9,7 @@ every layer's cache on it. The mode below serves exactly that call from a
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,8 @@ class SharedKVAllocator(TorchFunctionMode):
             and torch.device(kwargs.get("device") or "cpu").type == "cpu"
         ):
             self.region = SharedRegion.create(self.prefix, args[0])  # files start zeroed
+            # Engines often exit without shutting their connector down: unlink anyway.
+            atexit.register(self.region.close)
             logger.info(
                 "KV cache (%d bytes) placed in shared memory %s", args[0], self.region.spec.path
             )

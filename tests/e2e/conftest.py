@@ -7,6 +7,7 @@ engines do, so engine restarts are real process restarts.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -65,19 +66,31 @@ def prompts(seed: int, n_tokens: int, shared: list[int] | None = None) -> list[i
     return (shared or []) + tail
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "RAY_ADDRESS": cluster}
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    res = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(HERE / "engine_run.py"), str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stdout, stderr = proc.communicate(timeout=600)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert res.returncode == 0, f"engine {name} failed:\n{res.stderr[-6000:]}"
+    # Every engine process's shared-memory KV cache goes with it.
+    leaked = [
+        f for f in glob.glob("/dev/shm/kvray-*-kv-*-*") if not _alive(int(f.rsplit("-", 2)[1]))
+    ]
+    assert not leaked, f"engine processes left KV regions behind: {leaked}"
     result = json.loads(out_path.read_text())
     result["log"] = res.stdout + res.stderr
     return result

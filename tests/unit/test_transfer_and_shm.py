@@ -43,7 +43,11 @@ def test_remove_leftovers_only_dead_owners(tmp_path):
     live = SharedRegion.create("kvray-p", 4096, shm_dir=tmp_path)
     dead = tmp_path / "kvray-p-999999999-0"
     dead.write_bytes(b"x")
-    assert remove_leftovers("kvray-p", shm_dir=tmp_path) == [dead.name]
+    dead_kv = tmp_path / "kvray-p-kv-999999998-0"  # an engine's KV cache region
+    dead_kv.write_bytes(b"x")
+    assert sorted(remove_leftovers("kvray-p", shm_dir=tmp_path)) == sorted(
+        [dead.name, dead_kv.name]
+    )
     assert os.path.exists(live.spec.path)
     live.close()
 

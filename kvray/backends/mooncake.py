@@ -86,6 +86,10 @@ def _raise_if_unavailable(op: str, codes: Sequence[int], address: str) -> None:
         )
 
 
+def _total(sizes: Pieces) -> int:
+    return sum(sum(s) for s in sizes)
+
+
 def check_master_reachable(address: str, timeout_s: float = 2.0) -> None:
     """Fail in ``timeout_s`` with a clear message, instead of Mooncake's ~90 s of retries."""
     host, port = parse_host_port(address, field="mooncake.master_server_address")
@@ -170,12 +174,16 @@ class MooncakeBackend(Backend):
         return [c == 1 for c in codes]
 
     async def _split_call(
-        self, fn: Callable[..., list[int]], keys: list[str], lists: list[list[Any]], *tail: Any
+        self,
+        fn: Callable[..., list[int]],
+        keys: list[str],
+        nbytes: int,
+        lists: list[list[Any]],
+        *tail: Any,
     ) -> list[int]:
         """One native batch call, or ``io_threads`` of them on contiguous slices when the
         batch is large: each call copies on one thread, and the native calls release the
         GIL, so big transfers use several cores."""
-        nbytes = sum(sum(s) for s in lists[-1])
         n = min(self._io_threads, len(keys)) if nbytes >= PARALLEL_MIN_BYTES else 1
         if n <= 1:
             return list(await self._call(fn, keys, *lists, *tail))
@@ -197,7 +205,7 @@ class MooncakeBackend(Backend):
         if all(len(p) == 1 for p in ptrs):
             fn = self._store.batch_upsert_from if overwrite else self._store.batch_put_from
             lists: list[list[Any]] = [[p[0] for p in ptrs], [s[0] for s in sizes]]
-            codes = await self._split_call(fn, keys, lists, self._replicate)
+            codes = await self._split_call(fn, keys, _total(sizes), lists, self._replicate)
         else:
             if overwrite:
                 # Mooncake has no multi-buffer upsert: remove, then write. A reader in
@@ -205,7 +213,11 @@ class MooncakeBackend(Backend):
                 await self._call(self._store.batch_remove, keys, True)
             lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
             codes = await self._split_call(
-                self._store.batch_put_from_multi_buffers, keys, lists, self._replicate
+                self._store.batch_put_from_multi_buffers,
+                keys,
+                _total(sizes),
+                lists,
+                self._replicate,
             )
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]
@@ -217,10 +229,12 @@ class MooncakeBackend(Backend):
         lists: list[list[Any]]
         if all(len(p) == 1 for p in ptrs):
             lists = [[p[0] for p in ptrs], [s[0] for s in sizes]]
-            results = await self._split_call(self._store.batch_get_into, keys, lists)
+            results = await self._split_call(self._store.batch_get_into, keys, _total(sizes), lists)
         else:
             lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
-            results = await self._split_call(self._store.batch_get_into_multi_buffers, keys, lists)
+            results = await self._split_call(
+                self._store.batch_get_into_multi_buffers, keys, _total(sizes), lists
+            )
         _raise_if_unavailable("get", results, self._address)
         out = []
         for r, s in zip(results, sizes, strict=True):

@@ -92,6 +92,7 @@ class KVRayScheduler:
         self._awaiting_frees: set[str] = set()
         self._block_owner: dict[int, str] = {}
         self._preempted: list[str] = []
+        self._engine_busy = False
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
         logger.info(
@@ -132,7 +133,11 @@ class KVRayScheduler:
         if pending is None or pending.first_block > local:
             self._start_lookup(request, local)
             return None, False
-        ready, _ = ray.wait([pending.ref], timeout=0)
+        # A busy engine is never stalled: ask again next step. An idle one (the last step
+        # ran nothing) has nothing to delay, so wait for the answer instead of spinning
+        # empty steps that compete with the Lookup actor for CPU.
+        remaining = max(0.0, self._timeout_s - (time.monotonic() - pending.started))
+        ready, _ = ray.wait([pending.ref], timeout=0 if self._engine_busy else remaining)
         if not ready:
             if time.monotonic() - pending.started < self._timeout_s:
                 return None, False
@@ -205,6 +210,7 @@ class KVRayScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
+        self._engine_busy = bool(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # Before Ray is imported anywhere: bind and advertise 127.0.0.1 only, no token auth.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -9,3 +11,16 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Mooncake clients in this process (baselines) fail fast on a dead master.
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A new local Ray cluster on 127.0.0.1 for the whole session; yields its address."""
+    import ray
+
+    from kvray.ray_env import ray_init
+
+    # Logical CPUs: actors reserve fractions; the real 2 cores are shared anyway.
+    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -1,6 +1,6 @@
 """Real vLLM engines (tiny local Llama, CPU) against a real kvray pool.
 
-One local Ray cluster and one pool per module; every engine runs in its own subprocess
+The session's local Ray cluster and one pool per module; every engine runs in its own subprocess
 (tests/e2e/engine_run.py) that joins the cluster through RAY_ADDRESS, as deployed
 engines do, so engine restarts are real process restarts.
 """
@@ -30,32 +30,17 @@ def tiny_model(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    from kvray.ray_env import ray_init
-
-    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def pool(cluster):
+def start_pool(name: str, world_size: int, segment: str):  # type: ignore[no-untyped-def]
     from kvray import Pool, PoolConfig
 
-    p = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "e2e",
-                "world_size": 1,
-                "detached": False,
-                "mooncake": {"global_segment_size": "256MB", "local_buffer_size": "32MB"},
-            },
-            environ={},
-        )
-    )
+    mooncake = {"global_segment_size": segment, "local_buffer_size": "32MB"}
+    data = {"name": name, "world_size": world_size, "detached": False, "mooncake": mooncake}
+    return Pool.start(PoolConfig.from_dict(data, environ={}))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    p = start_pool("e2e", 1, "256MB")
     yield p
     p.shutdown()
 

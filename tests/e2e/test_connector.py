@@ -28,10 +28,10 @@ def request_lines(log: str) -> list[dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(cluster, tiny_model, tmp_path_factory):
+def baseline(ray_cluster, tiny_model, tmp_path_factory):
     """The same prompts without any connector: the outputs to match."""
     out = run_engine(
-        cluster,
+        ray_cluster,
         tmp_path_factory.mktemp("base"),
         "baseline",
         {"model": tiny_model, "connector": None, "runs": [[P1], [P2], [P3]]},
@@ -43,9 +43,9 @@ def baseline(cluster, tiny_model, tmp_path_factory):
     }
 
 
-def test_save_then_load_matches_baseline(pool, cluster, tiny_model, baseline, tmp_path):
+def test_save_then_load_matches_baseline(pool, ray_cluster, tiny_model, baseline, tmp_path):
     out = run_engine(
-        cluster,
+        ray_cluster,
         tmp_path,
         "first",
         {
@@ -75,10 +75,10 @@ def test_save_then_load_matches_baseline(pool, cluster, tiny_model, baseline, tm
     assert stats.get_keys >= 6 and stats.put_keys >= 5
 
 
-def test_pool_outlives_engine_and_async_load(pool, cluster, tiny_model, baseline, tmp_path):
+def test_pool_outlives_engine_and_async_load(pool, ray_cluster, tiny_model, baseline, tmp_path):
     """A new engine process (async loads this time) hits what the previous one saved."""
     out = run_engine(
-        cluster,
+        ray_cluster,
         tmp_path,
         "second",
         {
@@ -92,27 +92,22 @@ def test_pool_outlives_engine_and_async_load(pool, cluster, tiny_model, baseline
     assert line["hit_pool"] == 4 and line["loaded"] == 4 and line["failed"] == 0
 
 
-@pytest.mark.parametrize("load_async", [False, True])
-def test_failed_load_recomputes(pool, cluster, tiny_model, baseline, tmp_path, load_async):
-    # Store P3's blocks, then hit them with the blocks removed between lookup and load.
+def store_then_drop(ray_cluster, tmp_path, tiny_model, connector_cfg):  # type: ignore[no-untyped-def]
+    """Store P3's blocks with one engine, then run P3 on a fresh engine whose hit blocks are
+    removed from the pool between its lookup and its load."""
     run_engine(
-        cluster,
-        tmp_path,
-        "store",
+        ray_cluster, tmp_path, "store",
         {"model": tiny_model, "connector": connector(), "runs": [[P3]], "wait_saves_for": "e2e"},
-    )
-    out = run_engine(
-        cluster,
-        tmp_path,
-        "recompute",
-        {
-            "model": tiny_model,
-            "connector": {**connector(load_async=load_async), "policy": "recompute"},
-            "runs": [[P3]],
-            "inject_drop": True,
-            "wait_saves_for": "e2e",
-        },
-    )
+    )  # fmt: skip
+    spec = {"model": tiny_model, "connector": connector_cfg, "runs": [[P3]], "inject_drop": True,
+            "wait_saves_for": "e2e"}  # fmt: skip
+    return run_engine(ray_cluster, tmp_path, "dropped", spec)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_failed_load_recomputes(pool, ray_cluster, tiny_model, baseline, tmp_path, load_async):
+    cfg = {**connector(load_async=load_async), "policy": "recompute"}
+    out = store_then_drop(ray_cluster, tmp_path, tiny_model, cfg)
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
     (line,) = request_lines(out["log"])
     # Async: the failed request goes through lookup again (now a miss), is recomputed,
@@ -120,22 +115,6 @@ def test_failed_load_recomputes(pool, cluster, tiny_model, baseline, tmp_path, l
     assert (line["hit_pool"], line["failed"], line["loaded"], line["saved"]) == (3, 3, 0, 3)
 
 
-def test_failed_load_fails_request_under_fail_policy(pool, cluster, tiny_model, tmp_path):
-    run_engine(
-        cluster,
-        tmp_path,
-        "store",
-        {"model": tiny_model, "connector": connector(), "runs": [[P3]], "wait_saves_for": "e2e"},
-    )
-    out = run_engine(
-        cluster,
-        tmp_path,
-        "fail",
-        {
-            "model": tiny_model,
-            "connector": {**connector(), "policy": "fail"},
-            "runs": [[P3]],
-            "inject_drop": True,
-        },
-    )
+def test_failed_load_fails_request_under_fail_policy(pool, ray_cluster, tiny_model, tmp_path):
+    out = store_then_drop(ray_cluster, tmp_path, tiny_model, {**connector(), "policy": "fail"})
     assert out["runs"][0]["finish_reasons"] == ["error"]

@@ -22,7 +22,7 @@ def _cpu_platform() -> bool:
     reason="vLLM 0.32's Ray executor does not run on the CPU platform "
     "(ValueError: current platform cpu does not support ray); needs a GPU machine",
 )
-def test_ray_executor_loads_from_pool(pool, cluster, tiny_model, tmp_path):
+def test_ray_executor_loads_from_pool(pool, ray_cluster, tiny_model, tmp_path):
     prompt = prompts(7, 3 * BLOCK + 7)
     spec = {
         "model": tiny_model,
@@ -31,7 +31,7 @@ def test_ray_executor_loads_from_pool(pool, cluster, tiny_model, tmp_path):
         "runs": [[prompt], [prompt]],
         "wait_saves_for": "e2e",
     }
-    out = run_engine(cluster, tmp_path, "ray-executor", spec)
+    out = run_engine(ray_cluster, tmp_path, "ray-executor", spec)
     first, second = (r["outputs"][0] for r in out["runs"])
     assert first == second
     assert "hit_pool=3" in out["log"] and "loaded=3" in out["log"]

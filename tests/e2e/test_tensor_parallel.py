@@ -1,31 +1,19 @@
 """TP=2 under vLLM's multiprocessing executor: each worker process joins the Ray
-cluster, stores its own half of the heads under its rank's keys, and a block counts as
+ray_cluster, stores its own half of the heads under its rank's keys, and a block counts as
 a hit only when both ranks have it."""
 
 from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, prompts, run_engine
+from .conftest import BLOCK, prompts, run_engine, start_pool
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def pool2(cluster):
-    from kvray import Pool, PoolConfig
-
-    p = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "e2e-tp",
-                "world_size": 2,
-                "detached": False,
-                "mooncake": {"global_segment_size": "128MB", "local_buffer_size": "32MB"},
-            },
-            environ={},
-        )
-    )
+def pool2(ray_cluster):
+    p = start_pool("e2e-tp", 2, "128MB")
     yield p
     p.shutdown()
 
@@ -34,15 +22,15 @@ def pool2(cluster):
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def test_tp2_ranks_store_and_load_their_halves(pool2, cluster, tiny_model, tmp_path):
+def test_tp2_ranks_store_and_load_their_halves(pool2, ray_cluster, tiny_model, tmp_path):
     prompt = prompts(11, 3 * BLOCK + 20)
     conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray"}}
     base = run_engine(
-        cluster, tmp_path, "tp-base",
+        ray_cluster, tmp_path, "tp-base",
         {"model": tiny_model, "connector": None, "tp": 2, "env": TP_ENV, "runs": [[prompt]]},
     )  # fmt: skip
     out = run_engine(
-        cluster, tmp_path, "tp",
+        ray_cluster, tmp_path, "tp",
         {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV,
          "runs": [[prompt], [prompt]], "wait_saves_for": "e2e-tp"},
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""One local Ray cluster on loopback and one real ``mooncake_master`` per test session.
+"""One real ``mooncake_master`` per test session (the Ray cluster is in tests/conftest.py).
 
 Both are started here and stopped at the end; every pool a test starts is stopped by
 the test (or its fixture) and checked to leave nothing behind.
@@ -12,18 +12,6 @@ import tempfile
 import pytest
 
 _names = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
-    from kvray.ray_env import ray_init
-
-    # Logical CPUs: actors reserve fractions; the real 2 cores are shared anyway.
-    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import logging
 import sys
@@ -312,11 +313,11 @@ class Pool:
             async with self._window_lock:
                 window = self._window_for(max(views[i].nbytes for i in staged))
                 buf = window.array
-                pending = list(staged)
+                pending = collections.deque(staged)
                 while pending:
                     chunk, offsets, used = [], [], 0
                     while pending and used + views[pending[0]].nbytes <= window.spec.size:
-                        i = pending.pop(0)
+                        i = pending.popleft()
                         chunk.append(i)
                         offsets.append(used)
                         used += -(-views[i].nbytes // 64) * 64

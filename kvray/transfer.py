@@ -74,9 +74,3 @@ class TransferBatch:
     def key_nbytes(self) -> np.ndarray:
         sums: np.ndarray = self.lengths.sum(axis=1)
         return sums
-
-    def subset(self, index: Sequence[int]) -> TransferBatch:
-        idx = np.asarray(index, dtype=np.int64)
-        return TransferBatch(
-            self.region, tuple(self.keys[i] for i in idx), self.offsets[idx], self.lengths[idx]
-        )

@@ -70,4 +70,3 @@ def test_multi_piece_batch(region):
     lengths = np.full((2, 2), 256, dtype=np.int64)
     batch = TransferBatch(region.spec, ("a", "b"), offsets, lengths)
     assert list(batch.key_nbytes()) == [512, 512]
-    assert batch.subset([1]).keys == ("b",)

@@ -78,3 +78,17 @@ def build_tiny_llama(
     LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
     marker.write_text(json.dumps(settings))
     return path
+
+
+def build_prefill_bound_llama(path: str | Path) -> Path:
+    """The model of the vLLM demo and the TTFT benchmark: big enough that prefill
+    dominates TTFT on a CPU, small enough to build in seconds."""
+    return build_tiny_llama(
+        path,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=8,
+        max_positions=8192,
+    )

@@ -181,21 +181,13 @@ def main() -> int:
     from kvray.config import MooncakeMasterConfig
     from kvray.master import MooncakeMaster
     from kvray.ray_env import ray_init
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.tiny_model import build_prefill_bound_llama
 
     lengths = [int(x) for x in args.lengths.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
     configs = args.configs.split(",")
     log(f"== building the model in {args.model_dir}")
-    model = build_tiny_llama(
-        args.model_dir,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=8,
-        max_positions=8192,
-    )
+    model = build_prefill_bound_llama(args.model_dir)
     spec = {
         "model": str(model),
         "lengths": lengths,

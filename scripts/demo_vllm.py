@@ -47,7 +47,7 @@ def main() -> int:
 
     from kvray import Pool, PoolConfig
     from kvray.ray_env import ray_init
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.tiny_model import build_prefill_bound_llama
 
     step("starting a local Ray cluster on 127.0.0.1 and a kvray pool (embedded mooncake_master)")
     t0 = time.monotonic()
@@ -69,14 +69,7 @@ def main() -> int:
 
     step(f"building a small Llama in {args.model_dir} (cached after the first run)")
     t0 = time.monotonic()
-    model = build_tiny_llama(
-        args.model_dir,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=8,
-    )
+    model = build_prefill_bound_llama(args.model_dir)
     print(f"   ready in {time.monotonic() - t0:.1f} s")
 
     step("starting vLLM (CPU) with KVRayConnector, prefix caching off")

@@ -1,4 +1,5 @@
-"""PoolManager actor: owns a pool's spec and, in embedded mode, its ``mooncake_master``."""
+"""PoolManager actor: owns a pool's spec and, in embedded mode, the backend's server:
+a ``mooncake_master``, or a datasystem worker with its embedded metastore."""
 
 from __future__ import annotations
 
@@ -7,22 +8,34 @@ import tempfile
 import time
 from typing import Any
 
+import ray
+
 from kvray.config import PoolConfig
+from kvray.datasystem import DatasystemWorker
 from kvray.master import MooncakeMaster
 
 
 class PoolManagerActor:
-    """One per pool. The embedded master is its child and dies with it."""
+    """One per pool. The embedded server is its child and dies with it."""
 
     def __init__(self, config_json: str) -> None:
-        self._config = PoolConfig.model_validate_json(config_json)
+        self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
-        self._master: MooncakeMaster | None = None
-        address = self._config.mooncake.master_server_address
-        if address is None:
-            log_dir = os.path.join(tempfile.gettempdir(), "kvray", self._config.name)
-            self._master = MooncakeMaster(self._config.master, log_dir)
-            address = self._master.start()
+        self._server: MooncakeMaster | DatasystemWorker | None = None
+        self._server_kind = (
+            "mooncake_master" if config.backend == "mooncake" else "datasystem worker"
+        )
+        if config.backend == "yuanrong":
+            address = config.yuanrong.worker_address
+            if address is None:
+                self._server = DatasystemWorker(config.datasystem, name=config.name)
+                address = self._server.start()
+        else:
+            address = config.mooncake.master_server_address
+            if address is None:
+                log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
+                self._server = MooncakeMaster(config.master, log_dir)
+                address = self._server.start()
         self._address = address
         self._started_at = time.time()
 
@@ -30,13 +43,15 @@ class PoolManagerActor:
         return {
             "config_json": self._config_json,
             "server_address": self._address,
-            "embedded": self._master is not None,
-            "master_pid": self._master.pid if self._master else None,
-            "master_alive": self._master.alive() if self._master else None,
+            "server_kind": self._server_kind,
+            "embedded": self._server is not None,
+            "server_pid": self._server.pid if self._server else None,
+            "server_alive": self._server.alive() if self._server else None,
             "started_at": self._started_at,
             "node_pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     async def stop(self) -> None:
-        if self._master is not None:
-            self._master.stop()
+        if self._server is not None:
+            self._server.stop()

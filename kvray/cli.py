@@ -40,7 +40,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     _connect(args)
     print(f"starting kvray pool {config.name!r} ({config.world_size} rank(s)) ...", flush=True)
     handles = launcher.launch(config)
-    mode = "embedded mooncake_master" if handles.embedded else "external master"
+    server = "mooncake_master" if config.backend == "mooncake" else "datasystem worker"
+    mode = f"embedded {server}" if handles.embedded else f"external {server}"
     where = f"{config.backend} at {handles.server_address} ({mode})"
     print(f"kvray pool {config.name!r} is up: {where}")
     return 0

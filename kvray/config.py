@@ -13,13 +13,16 @@ The environment is read once, at the edge (``from_env``), never at import time.
 
 Precedence for Mooncake (highest first): ``MOONCAKE_MASTER`` and
 ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` environment variables, then ``mooncake.json``, then
-the defaults below.
+the defaults below. For openYuanrong datasystem (:class:`YuanrongConfig`) the variables
+vLLM-Ascend deployments set (``DS_WORKER_ADDR``, ``DATASYSTEM_CLIENT_LOG_DIR``,
+``DS_ENABLE_EXCLUSIVE_CONNECTION``, ``DS_ENABLE_REMOTE_H2D``) are read the same way.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -43,6 +46,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 Protocol = Literal["tcp", "rdma", "ascend"]
+BackendName = Literal["mooncake", "yuanrong"]
 
 
 def _size(value: Any) -> Any:
@@ -189,6 +193,120 @@ class MooncakeMasterConfig(_Strict):
         return v
 
 
+def _env_flag(env: Mapping[str, str], var: str) -> bool | None:
+    """``1``/``0`` (or ``true``/``false``) as deployments write them; unset -> None."""
+    if var not in env:
+        return None
+    value = env[var].strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{var} must be 1 or 0 (true/false), got {env[var]!r}")
+
+
+class YuanrongConfig(_Strict):
+    """The openYuanrong datasystem client of each rank, as vLLM-Ascend deployments
+    configure it through the environment (:meth:`from_env`)."""
+
+    worker_address: HostPort | None = None
+    """``host:port`` of the datasystem worker on the rank's node (``DS_WORKER_ADDR``; it
+    must match that worker's ``dscli start --worker_address``). Unset: kvray starts a
+    worker itself (embedded metastore, no etcd), for a pool on one node."""
+    rank_worker_addresses: tuple[HostPort, ...] = ()
+    """Per-rank worker addresses for pools that span nodes (rank r uses entry r; every
+    worker must share one etcd or metastore). Empty: every rank uses ``worker_address``."""
+    client_log_dir: str = Field(
+        default_factory=lambda: os.path.join(tempfile.gettempdir(), "kvray", "ds-client-logs")
+    )
+    """Client SDK log directory (``DATASYSTEM_CLIENT_LOG_DIR``; the SDK's own default is
+    the home directory, ~55 MB per 25 min)."""
+    enable_exclusive_connection: bool = True
+    """``DS_ENABLE_EXCLUSIVE_CONNECTION``: a dedicated client-worker connection (faster
+    IPC; a worker accepts at most 128 such clients; kvray opens two per rank)."""
+    enable_remote_h2d: bool = False
+    """``DS_ENABLE_REMOTE_H2D``: remote host-to-device reads on the NPU device path."""
+    connect_timeout_ms: int = Field(5000, ge=100, le=600_000)
+    """Client connect timeout; always passed (the SDK default blocks 60 s per failure)."""
+    request_timeout_ms: int = Field(5000, ge=100, le=600_000)
+    """Timeout of one request: a dead worker is reported within this, not after 60 s."""
+    write_mode: Literal["evict", "keep"] = "evict"
+    """``evict``: a full worker evicts older blocks for new ones (what a cache wants).
+    ``keep``: blocks stay until removed and a put into a full worker reports pool full."""
+    device: Literal["host", "npu"] = "host"
+    """Data path: ``host`` (KVClient zero-copy shared-memory buffers, any machine) or
+    ``npu`` (HeteroClient device-to-host / host-to-device calls; Ascend NPUs only)."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> YuanrongConfig:
+        if self.rank_worker_addresses and self.worker_address is None:
+            raise ValueError(
+                "rank_worker_addresses needs external workers: set worker_address too "
+                "(DS_WORKER_ADDR), e.g. to the first rank's worker"
+            )
+        return self
+
+    def address_for(self, rank: int) -> str | None:
+        """The worker rank ``rank`` connects to (None: the embedded worker)."""
+        if self.rank_worker_addresses:
+            return self.rank_worker_addresses[rank]
+        return self.worker_address
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> YuanrongConfig:
+        """Read the deployment variables once, here, into the typed config."""
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        if "DS_WORKER_ADDR" in env:
+            if not env["DS_WORKER_ADDR"].strip():
+                raise ConfigError(
+                    "DS_WORKER_ADDR is set but empty: unset it (kvray then starts a worker "
+                    "itself) or give the local worker's host:port"
+                )
+            data["worker_address"] = env["DS_WORKER_ADDR"].strip()
+        if env.get("DATASYSTEM_CLIENT_LOG_DIR", "").strip():
+            data["client_log_dir"] = env["DATASYSTEM_CLIENT_LOG_DIR"].strip()
+        for var, fld in (
+            ("DS_ENABLE_EXCLUSIVE_CONNECTION", "enable_exclusive_connection"),
+            ("DS_ENABLE_REMOTE_H2D", "enable_remote_h2d"),
+        ):
+            flag = _env_flag(env, var)
+            if flag is not None:
+                data[fld] = flag
+        return validate(cls, data, source="yuanrong config (DS_* environment)")
+
+
+class DatasystemWorkerConfig(_Strict):
+    """The datasystem worker kvray runs itself when no worker address is configured:
+    embedded metastore (no etcd), loopback, a fresh data directory per pool."""
+
+    shared_memory_size: ByteSize = GiB
+    """Shared memory the worker caches blocks in (``--shared_memory_size_mb``)."""
+    threads: int = Field(4, ge=1, le=256)
+    """Object-cache and RPC threads (``--oc_thread_num``, ``--rpc_thread_num``)."""
+    data_dir: str | None = None
+    """Parent of the per-pool worker directory (default: the system temp directory)."""
+    ready_timeout_s: float = Field(60.0, gt=0)
+    """How long the worker may take to become ready (~6 s on an idle 2-core machine)."""
+    extra_args: tuple[str, ...] = ()
+    """Further ``--flag=value`` worker flags passed through verbatim."""
+
+    @field_validator("shared_memory_size")
+    @classmethod
+    def _shm_min(cls, v: int) -> int:
+        if v < 64 * MiB:
+            raise ValueError(f"must be at least 64MB, got {v} bytes")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            if not arg.startswith("--") or "=" not in arg:
+                raise ValueError(f"each extra arg must look like '--flag=value', got {arg!r}")
+        return v
+
+
 def _partition(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -204,8 +322,8 @@ class ConnectorConfig(_Strict):
     the keys below keep their meaning.
     """
 
-    backend: Literal["mooncake"] = "mooncake"
-    """Storage backend of the pool."""
+    backend: BackendName = "mooncake"
+    """Storage backend of the pool; must match the pool the connector attaches to."""
     lookup_rpc_port: int = Field(0, ge=0, le=65535)
     """Distinguishes the lookup services of several engine instances on one node
     (AscendStoreConnector's lookup socket). kvray names the Lookup actors with it."""
@@ -278,14 +396,18 @@ class PoolConfig(_Strict):
     """Pool name; actors are named ``<name>.<role>.<rank>``."""
     namespace: str = Field("kvray", pattern=_NAME_PATTERN)
     """Ray namespace of the pool's actors."""
-    backend: Literal["mooncake"] = "mooncake"
-    """Storage backend."""
+    backend: BackendName = "mooncake"
+    """Storage backend: ``mooncake`` or ``yuanrong`` (openYuanrong datasystem)."""
     world_size: int = Field(1, ge=1, le=4096)
     """Ranks (TP x PP x DP workers) the pool serves; one BackendClient + Lookup each."""
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
     """Mooncake client settings (``mooncake.json``)."""
     master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
     """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
+    yuanrong: YuanrongConfig = Field(default_factory=YuanrongConfig)
+    """openYuanrong datasystem client settings (``DS_*`` environment variables)."""
+    datasystem: DatasystemWorkerConfig = Field(default_factory=DatasystemWorkerConfig)
+    """The embedded datasystem worker (used only without a worker address)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the per-rank bundles."""
     cpus_per_rank: float = Field(0.1, ge=0)
@@ -301,12 +423,30 @@ class PoolConfig(_Strict):
     detached: bool = True
     """Pool actors outlive the process that started them (``kvray down`` stops them)."""
 
+    @model_validator(mode="after")
+    def _rank_addresses(self) -> PoolConfig:
+        n = len(self.yuanrong.rank_worker_addresses)
+        if n and n != self.world_size:
+            raise ValueError(
+                f"yuanrong.rank_worker_addresses has {n} entries but world_size is "
+                f"{self.world_size}: give one worker address per rank"
+            )
+        return self
+
+    @property
+    def embedded_server(self) -> bool:
+        """Whether kvray runs the backend's server itself (no address configured)."""
+        if self.backend == "yuanrong":
+            return self.yuanrong.worker_address is None
+        return self.mooncake.master_server_address is None
+
     @classmethod
     def from_file(
         cls, path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
     ) -> PoolConfig:
-        """Load a pool config (JSON or YAML); without a ``mooncake`` section the Mooncake
-        settings come from ``MOONCAKE_CONFIG_PATH`` and the environment."""
+        """Load a pool config (JSON or YAML); without a ``mooncake`` (``yuanrong``) section
+        the backend's settings come from ``MOONCAKE_CONFIG_PATH`` and the environment
+        (the ``DS_*`` variables)."""
         data = (
             _read_json(str(path), "--config")
             if str(path).endswith(".json")
@@ -323,8 +463,10 @@ class PoolConfig(_Strict):
         source: str = "pool config",
     ) -> PoolConfig:
         data = dict(data or {})
-        if "mooncake" not in data:
+        if data.get("backend", "mooncake") == "mooncake" and "mooncake" not in data:
             data["mooncake"] = MooncakeConfig.from_env(environ)
+        if data.get("backend") == "yuanrong" and "yuanrong" not in data:
+            data["yuanrong"] = YuanrongConfig.from_env(environ)
         return validate(cls, data, source=source)
 
 

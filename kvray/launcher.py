@@ -4,7 +4,8 @@ All Ray placement decisions are made here, and this is the only module of the ``
 package that imports the actor shells of ``kvray.actors``.
 
 A pool is: a placement group with one bundle per rank, a PoolManager actor (the spec,
-and the embedded ``mooncake_master`` when no master address is configured) and, per
+and the backend's embedded server when no address is configured: ``mooncake_master``,
+or a datasystem worker with its own metastore) and, per
 rank, a BackendClient actor and a Lookup actor in that rank's bundle. Every actor is
 named and namespaced; starting is idempotent (``get_if_exists``) and refuses a running
 pool of the same name with a different config.
@@ -151,6 +152,7 @@ def launch(config: PoolConfig) -> PoolHandles:
                 "(kvray down), or choose another name"
             )
         address = spec["server_address"]
+        rank_address = [_rank_address(config, rank, address) for rank in range(config.world_size)]
         per_actor_cpu = config.cpus_per_rank / 2
         backends, lookups = [], []
         for rank in range(config.world_size):
@@ -168,7 +170,7 @@ def launch(config: PoolConfig) -> PoolHandles:
                         max_concurrency=32,
                     )
                 )
-                .remote(config_json, rank, address)
+                .remote(config_json, rank, rank_address[rank])
             )
             lookups.append(
                 ray.remote(LookupActor)
@@ -183,10 +185,12 @@ def launch(config: PoolConfig) -> PoolHandles:
                         max_concurrency=64,
                     )
                 )
-                .remote(config_json, rank, address)
+                .remote(config_json, rank, rank_address[rank])
             )
         created += backends + lookups
-        _check_started(backends + lookups)
+        probes = _check_started(backends + lookups)
+        if config.backend == "yuanrong" and spec["embedded"]:
+            _check_one_node(spec, probes[: config.world_size])
     except BaseException:
         for actor in created:
             ray.kill(actor, no_restart=True)
@@ -199,16 +203,38 @@ def launch(config: PoolConfig) -> PoolHandles:
         config.world_size,
         config.backend,
         address,
-        "embedded master" if spec["embedded"] else "external master",
+        f"embedded {spec['server_kind']}"
+        if spec["embedded"]
+        else f"external {spec['server_kind']}",
         time.monotonic() - started,
     )
     return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups)
 
 
-def _check_started(actors: list[Any]) -> None:
+def _rank_address(config: PoolConfig, rank: int, server_address: str) -> str:
+    """The server rank ``rank``'s clients connect to."""
+    if config.backend == "yuanrong":
+        return config.yuanrong.address_for(rank) or server_address
+    return server_address
+
+
+def _check_one_node(spec: dict[str, Any], probes: list[dict[str, Any]]) -> None:
+    """The embedded datasystem worker serves its own node only (shared memory)."""
+    away = [p["rank"] for p in probes if p["node_id"] != spec["node_id"]]
+    if away:
+        raise BackendUnavailableError(
+            f"rank(s) {away} were placed on another node than the pool's embedded datasystem "
+            "worker, which serves only its own node: run a worker per node (scripts/"
+            "datasystem_cluster.py) and set yuanrong.worker_address / rank_worker_addresses, "
+            "or keep the pool on one node (placement_strategy: STRICT_PACK)"
+        )
+
+
+def _check_started(actors: list[Any]) -> list[dict[str, Any]]:
     """Wait for every actor; refuse to run if any derives another probe hash."""
     expected = probe_hash()
     refs = [a.probe.remote() for a in actors]
+    probes = []
     for ref in refs:
         try:
             got = ray.get(ref, timeout=_START_TIMEOUT_S)
@@ -221,6 +247,8 @@ def _check_started(actors: list[Any]) -> None:
                 f"rank {got['rank']} derives block hash {got['probe_hash']} for the probe, this "
                 f"process {expected}: install the same kvray version on every node"
             )
+        probes.append(got)
+    return probes
 
 
 def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
@@ -251,7 +279,7 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
 
 
 def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
-    """Close clients, stop the embedded master, kill the actors, free the bundles."""
+    """Close clients, stop the embedded server, kill the actors, free the bundles."""
     rank_actors = handles.backends + handles.lookups
     closing = [a.close.remote() for a in rank_actors]
     ready, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)

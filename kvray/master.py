@@ -33,7 +33,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Runs in a child between fork and exec: SIGTERM it when its parent thread dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -103,7 +104,7 @@ class MooncakeMaster:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             if self._wait_ready(timeout_s):
                 logger.info("mooncake_master pid %d listening on %s", self._proc.pid, self.address)

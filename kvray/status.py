@@ -59,7 +59,8 @@ class PoolStatus:
         }
 
     def table(self) -> str:
-        mode = "embedded master" if self.embedded else "external master"
+        server = {"mooncake": "master", "yuanrong": "datasystem worker"}.get(self.backend, "server")
+        mode = f"embedded {server}" if self.embedded else f"external {server}"
         head = (
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "
             f"{self.server_address} ({mode}), {self.world_size} rank(s)"
@@ -86,7 +87,7 @@ class PoolStatus:
                 [
                     "total" if r is None else str(r.rank),
                     "" if r is None else (r.segment if r.alive else f"DOWN: {r.error}"),
-                    format_size(
+                    _size_or_dash(
                         sum(x.segment_bytes for x in self.ranks) if r is None else r.segment_bytes
                     ),
                     str(s.put_keys),
@@ -105,3 +106,8 @@ class PoolStatus:
         lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
         lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
         return "\n".join(lines)
+
+
+def _size_or_dash(n: int) -> str:
+    """A rank's contributed memory; ``-`` where the backend's server owns it."""
+    return format_size(n) if n else "-"

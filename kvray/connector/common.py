@@ -102,6 +102,12 @@ def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:
             cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto", namespace=cfg.namespace
         )
     handles = launcher.attach(cfg.pool_name, cfg.namespace)
+    if handles.config.backend != cfg.backend:
+        raise ConfigError(
+            f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "
+            f"{cfg.pool_name!r} runs {handles.config.backend!r}: set backend to "
+            f"{handles.config.backend!r} or attach to a {cfg.backend} pool (pool_name)"
+        )
     if handles.config.world_size < world_size:
         raise ConfigError(
             f"kvray pool {cfg.pool_name!r} serves {handles.config.world_size} rank(s) but this "

@@ -48,6 +48,11 @@ _LEAN_FLAGS = {
 }
 
 
+UDS_DIR_MAX = 80
+"""Longest socket directory kept under the worker's home: Linux socket paths are at most
+108 bytes and the worker appends ``/<8 hex>/<socket name>`` (up to ~25 bytes)."""
+
+
 def datasystem_package_dir() -> Path:
     """Where ``openyuanrong-datasystem`` installed its binaries (no import: importing
     ``yr.datasystem`` loads native libraries this process may not want)."""
@@ -83,6 +88,11 @@ class DatasystemWorker:
         base = config.data_dir or os.path.join(tempfile.gettempdir(), "kvray")
         os.makedirs(base, exist_ok=True)
         self.home = Path(tempfile.mkdtemp(prefix=f"ds-{name}-", dir=base))
+        self.uds_dir = self.home / "uds"
+        if len(str(self.uds_dir)) > UDS_DIR_MAX:
+            # The worker's sockets live at <dir>/<8 hex>/<name>: a long data_dir would pass
+            # the 108-byte limit of a socket path and the worker would refuse to start.
+            self.uds_dir = Path(tempfile.mkdtemp(prefix="kvray-uds-", dir="/tmp"))
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -111,7 +121,7 @@ class DatasystemWorker:
             "shared_memory_size_mb": str(self.config.shared_memory_size >> 20),
             "oc_thread_num": str(self.config.threads),
             "rpc_thread_num": str(self.config.threads),
-            "unix_domain_socket_dir": str(h / "uds"),
+            "unix_domain_socket_dir": str(self.uds_dir),
             "rocksdb_store_dir": str(h / "rocksdb"),
             "log_dir": str(self.log_dir),
             "ready_check_path": str(h / "probe" / "ready"),
@@ -214,6 +224,7 @@ class DatasystemWorker:
 
     def _remove_home(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
+        shutil.rmtree(self.uds_dir, ignore_errors=True)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop the worker (SIGTERM, as ``dscli stop`` does) and remove its directory."""

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def start_etcd(home: Path, host: str) -> dict[str, object]:
 def start_worker(home: Path, host: str, etcd: str, shm_mb: int, index: int) -> dict[str, object]:
     port = free_port(host)
     wdir = home / f"worker-{index}"
+    # Socket paths are limited to 108 bytes and dscli puts them under -d by default.
+    uds = wdir / "datasystem" / "uds"
+    if len(str(uds)) > 80:
+        uds = Path(tempfile.mkdtemp(prefix="ds-uds-", dir="/tmp"))
     cmd = [
         find_tool("dscli"),
         "start",
@@ -107,6 +112,8 @@ def start_worker(home: Path, host: str, etcd: str, shm_mb: int, index: int) -> d
         f"{host}:{port}",
         "--etcd_address",
         etcd,
+        "--unix_domain_socket_dir",
+        str(uds),
         "--shared_memory_size_mb",
         str(shm_mb),
         "--enable_huge_tlb",
@@ -135,7 +142,7 @@ def start_worker(home: Path, host: str, etcd: str, shm_mb: int, index: int) -> d
         if "PID:" in line:
             pid = int(line.rsplit("PID:", 1)[1].strip())
     log(f"worker {index} pid {pid} on {host}:{port} ready in {time.monotonic() - started:.1f} s")
-    return {"pid": pid, "address": f"{host}:{port}", "dir": str(wdir)}
+    return {"pid": pid, "address": f"{host}:{port}", "dir": str(wdir), "uds_dir": str(uds)}
 
 
 def up(args: argparse.Namespace) -> int:
@@ -177,6 +184,8 @@ def down(args: argparse.Namespace) -> int:
         )
         failed |= run.returncode != 0
         log(f"worker {w['address']}: {'stopped' if run.returncode == 0 else 'stop failed'}")
+        if not args.keep:
+            shutil.rmtree(w["uds_dir"], ignore_errors=True)
     etcd = cluster.get("etcd")
     if etcd:
         try:

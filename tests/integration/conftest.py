@@ -1,7 +1,8 @@
-"""One real ``mooncake_master`` per test session (the Ray cluster is in tests/conftest.py).
-
-Both are started here and stopped at the end; every pool a test starts is stopped by
-the test (or its fixture) and checked to leave nothing behind.
+"""Real backend servers for the integration tests (the Ray cluster is in tests/conftest.py):
+one ``mooncake_master`` and two openYuanrong datasystem workers (the second joins the
+first one's embedded metastore) per test session, started on first use and stopped at
+the end; every pool a test starts is stopped by the test (or its fixture) and checked to
+leave nothing behind.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import itertools
 import tempfile
 
+import psutil
 import pytest
 
 _names = itertools.count()
@@ -29,14 +31,54 @@ def mooncake_master():
         assert not master.alive()
 
 
+def _datasystem_worker(**kw):
+    from kvray.config import DatasystemWorkerConfig
+    from kvray.datasystem import DatasystemWorker
+
+    worker = DatasystemWorker(DatasystemWorkerConfig(shared_memory_size="256MB", threads=2), **kw)
+    worker.start()
+    return worker
+
+
+def stop_and_check(worker) -> None:
+    """Stop a datasystem worker; assert its process and directory are gone."""
+    pid = worker.pid
+    worker.stop()
+    assert not worker.alive()
+    assert (
+        pid is None
+        or not psutil.pid_exists(pid)
+        or (psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    )
+    assert not worker.home.exists(), f"{worker.home} left behind"
+
+
+@pytest.fixture(scope="session")
+def ds_worker():
+    """A real datasystem worker with its embedded metastore, on free loopback ports."""
+    worker = _datasystem_worker(name="test-a")
+    yield worker
+    stop_and_check(worker)
+
+
+@pytest.fixture(scope="session")
+def ds_worker2(ds_worker):
+    """A second worker on the first one's metastore (another node's worker, in effect)."""
+    worker = _datasystem_worker(name="test-b", metastore_address=ds_worker.metastore_address)
+    yield worker
+    stop_and_check(worker)
+
+
 def pool_name(prefix: str = "t") -> str:
     return f"{prefix}{next(_names)}"
 
 
 def small_config(master_address: str | None, **overrides):
+    """A small 2-rank pool config; ``backend="yuanrong"`` gives one with an embedded
+    datasystem worker (``master_address`` is then ignored)."""
     from kvray.config import PoolConfig
 
-    data = {
+    data: dict = {
         "name": pool_name(),
         "namespace": "kvray-test",
         "world_size": 2,
@@ -51,6 +93,10 @@ def small_config(master_address: str | None, **overrides):
         },
         "master": {"default_kv_lease_ttl_ms": 200, "client_ttl_s": 2},
     }
+    if overrides.get("backend") == "yuanrong":
+        del data["mooncake"], data["master"]
+        data["yuanrong"] = {"request_timeout_ms": 3000, "connect_timeout_ms": 3000}
+        data["datasystem"] = {"shared_memory_size": "256MB", "threads": 2}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}
@@ -59,11 +105,16 @@ def small_config(master_address: str | None, **overrides):
     return PoolConfig.from_dict(data, environ={})
 
 
-@pytest.fixture(scope="module")
-def pool(ray_cluster, mooncake_master):
-    """A 2-rank pool against the session's master, shared by a module's tests."""
+@pytest.fixture(scope="module", params=["mooncake", "yuanrong"])
+def pool(request, ray_cluster):
+    """A 2-rank pool shared by a module's tests, once per backend: against the session's
+    mooncake_master, and with its own embedded datasystem worker."""
     from kvray import Pool
 
-    p = Pool.start(small_config(mooncake_master.address))
+    if request.param == "mooncake":
+        cfg = small_config(request.getfixturevalue("mooncake_master").address)
+    else:
+        cfg = small_config(None, backend="yuanrong")
+    p = Pool.start(cfg)
     yield p
     p.shutdown()

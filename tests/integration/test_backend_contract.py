@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvray.backends.base import Backend, KeyStatus
-from kvray.config import MooncakeConfig
+from kvray.config import MooncakeConfig, YuanrongConfig
 from kvray.errors import BackendUnavailableError
 from kvray.master import free_port
 
@@ -18,19 +18,45 @@ _ids = itertools.count()
 BLOCK = 64 << 10
 
 
-def _mooncake(master) -> Backend:  # type: ignore[no-untyped-def]
+def _mooncake(request) -> Backend:  # type: ignore[no-untyped-def]
     from kvray.backends.mooncake import MooncakeBackend
 
+    master = request.getfixturevalue("mooncake_master")
     cfg = MooncakeConfig(global_segment_size=64 << 20, local_buffer_size=16 << 20, protocol="tcp")
     return MooncakeBackend(cfg, master.address, io_threads=2)
 
 
-BACKENDS = {"mooncake": _mooncake}
+def _yuanrong(request) -> Backend:  # type: ignore[no-untyped-def]
+    from kvray.backends.yuanrong import YuanrongBackend
+
+    worker = request.getfixturevalue("ds_worker")
+    cfg = YuanrongConfig(worker_address=worker.address, request_timeout_ms=3000)
+    return YuanrongBackend(cfg, worker.address, io_threads=2)
+
+
+BACKENDS = {"mooncake": _mooncake, "yuanrong": _yuanrong}
+"""Each factory gets the test's ``request`` and pulls the server fixture it needs."""
+
+UNREACHABLE = {
+    "mooncake": lambda address: _import("mooncake").MooncakeBackend(
+        MooncakeConfig(protocol="tcp"), address
+    ),
+    "yuanrong": lambda address: _import("yuanrong").YuanrongBackend(
+        YuanrongConfig(worker_address=address, connect_timeout_ms=2000), address
+    ),
+}
+"""How each backend's client is made against an address where nothing listens."""
+
+
+def _import(name: str):  # type: ignore[no-untyped-def]
+    import importlib
+
+    return importlib.import_module(f"kvray.backends.{name}")
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-async def backend(request, mooncake_master):
-    b = BACKENDS[request.param](mooncake_master)
+async def backend(request):
+    b = BACKENDS[request.param](request)
     yield b
     await b.close()
 
@@ -121,9 +147,8 @@ async def test_empty_batches(backend):
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_server_is_a_clear_error():
-    from kvray.backends.mooncake import MooncakeBackend
-
+@pytest.mark.parametrize("name", sorted(UNREACHABLE))
+def test_unreachable_server_is_a_clear_error(name):
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(BackendUnavailableError, match=address):
-        MooncakeBackend(MooncakeConfig(protocol="tcp"), address)
+        UNREACHABLE[name](address)

@@ -1,4 +1,5 @@
-"""Data-plane behaviour of a running 2-rank pool against a real mooncake_master."""
+"""Data-plane behaviour of a running 2-rank pool, on each real backend (the ``pool``
+fixture runs every test against a mooncake_master and against a datasystem worker)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ def test_size_mismatch_is_reported_not_used(pool, prefix):
 
 
 def test_remove_respects_read_leases(pool, prefix):
+    if pool.config.backend == "yuanrong":
+        pytest.skip("openYuanrong datasystem takes no read leases: remove never reports BUSY")
     key = f"{prefix}-r"
     pool.put(key, np.ones(64, np.uint8))
     pool.get(key, shape=(64,))  # grants a 200 ms read lease

@@ -1,10 +1,13 @@
-"""Store benchmark: kvray's data plane against the raw Mooncake batch API and memcpy.
+"""Store benchmark: kvray's data plane against the backend's raw client API and memcpy.
 
-One run measures, on the same machine and bytes:
+One run measures, on the same machine and bytes, for ``--backend mooncake`` (default)
+or ``--backend yuanrong``:
 
 - ``memcpy``: numpy copy of the whole payload (the ceiling of any host-memory path);
-- ``raw``: ``batch_put_from`` / ``batch_get_into`` of an in-process Mooncake client
-  against its own ``mooncake_master`` (the baseline);
+- ``raw``: the backend's own zero-copy batch calls from an in-process client against its
+  own server (the baseline): Mooncake ``batch_put_from`` / ``batch_get_into`` against a
+  ``mooncake_master``; datasystem ``mcreate`` + copy + ``mset_buffer`` / ``get_buffers``
+  + copy against a ``datasystem_worker``;
 - ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region
   (what the vLLM connector does: one Ray call per batch, bytes moved by the rank's
   BackendClient actor, nothing through Ray's object store);
@@ -12,9 +15,11 @@ One run measures, on the same machine and bytes:
 - prefix lookup latency of ``blocks`` hashes through the Lookup actor.
 
 Each figure is the median of ``--reps`` repetitions after one warm-up (the first pass
-over a fresh Mooncake segment faults its pages in and is several times slower).
+over fresh shared memory faults its pages in and is several times slower).
 
     .venv/bin/python scripts/bench_store.py --json bench-results/bench_store.json
+    .venv/bin/python scripts/bench_store.py --backend yuanrong \
+        --json bench-results/bench_store_yuanrong.json
 """
 
 from __future__ import annotations
@@ -73,6 +78,73 @@ def lookup_space() -> KeySpace:
 
 def lookup_hashes(blocks: int) -> list[bytes]:
     return list(chain_block_hashes(list(range(blocks * 16)), 16))
+
+
+def bench_raw_yuanrong(
+    src: np.ndarray,
+    dst: np.ndarray,
+    blocks: int,
+    block: int,
+    segment: int,
+    reps: int,
+    lookup_reps: int,
+) -> tuple[float, float, float]:
+    import ctypes
+
+    from kvray.backends.yuanrong import import_datasystem
+    from kvray.config import DatasystemWorkerConfig
+    from kvray.datasystem import DatasystemWorker
+
+    ds = import_datasystem()
+    worker = DatasystemWorker(DatasystemWorkerConfig(shared_memory_size=segment), name="bench")
+    worker.start()
+    try:
+        host, port = worker.address.rsplit(":", 1)
+        client = ds.KVClient(
+            host, int(port), connect_timeout_ms=5000, enable_exclusive_connection=True
+        )
+        client.init()
+        mode = ds.WriteMode.NONE_L2_CACHE_EVICT  # as kvray writes by default
+        keys = [f"raw-{i}" for i in range(blocks)]
+
+        def put() -> None:
+            for lo in range(0, blocks, 1000):
+                part = keys[lo : lo + 1000]
+                bufs = client.mcreate(part, [block] * len(part), mode, 0)
+                for i, buf in enumerate(bufs, lo):
+                    view = np.frombuffer(buf.MutableData(), dtype=np.uint8)
+                    ctypes.memmove(view.ctypes.data, src.ctypes.data + i * block, block)
+                client.mset_buffer(bufs)
+
+        def get() -> None:
+            for lo in range(0, blocks, 1000):
+                bufs = client.get_buffers(keys[lo : lo + 1000], 0)
+                for i, buf in enumerate(bufs, lo):
+                    view = np.frombuffer(buf, dtype=np.uint8)
+                    ctypes.memmove(dst.ctypes.data + i * block, view.ctypes.data, block)
+
+        def clear() -> None:
+            client.delete(keys)
+
+        put_t = measure("raw put", reps, clear, put)
+        get_t = measure("raw get", reps, lambda: None, get)
+        assert np.array_equal(src, dst), "raw round trip is not byte-exact"
+        clear()
+        lookup_keys = lookup_space().rank_key_strs(lookup_hashes(blocks), 0)
+        client.mset(lookup_keys, [b"x" * 64] * blocks)
+        exists_ms = []
+        for _ in range(lookup_reps):
+            t0 = time.perf_counter()
+            assert all(client.exist(lookup_keys))
+            exists_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        worker.stop()
+    n = blocks * block
+    return (
+        n / statistics.median(put_t) / 1e9,
+        n / statistics.median(get_t) / 1e9,
+        statistics.median(exists_ms),
+    )
 
 
 def bench_raw(
@@ -147,6 +219,7 @@ def main() -> int:
     parser.add_argument("--block-kib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--lookup-reps", type=int, default=200)
+    parser.add_argument("--backend", choices=["mooncake", "yuanrong"], default="mooncake")
     parser.add_argument("--json", type=Path, help="write results here")
     args = parser.parse_args()
     if args.reps < 3:
@@ -172,27 +245,30 @@ def main() -> int:
     dst[:] = 0
     memcpy = bench_memcpy(payload, dst, args.reps)
 
-    log("== raw mooncake (in-process client, own master)")
+    backend = args.backend
+    server = "master" if backend == "mooncake" else "datasystem worker"
+    log(f"== raw {backend} (in-process client, own {server})")
     raw_dst = np.zeros_like(payload)
-    raw_put, raw_get, raw_exists_ms = bench_raw(
+    raw = bench_raw if backend == "mooncake" else bench_raw_yuanrong
+    raw_put, raw_get, raw_exists_ms = raw(
         payload, raw_dst, blocks, block, segment, args.reps, args.lookup_reps
     )
     del raw_dst
 
-    log("== kvray (local Ray on loopback, 1-rank pool, embedded master)")
+    log(f"== kvray (local Ray on loopback, 1-rank pool, embedded {server})")
     ray_init("local", num_cpus=2)
-    pool = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "bench",
-                "world_size": 1,
-                "detached": False,
-                "transfer_window_size": "64MB",
-                "mooncake": {"global_segment_size": segment, "local_buffer_size": "64MB"},
-            },
-            environ={},
-        )
-    )
+    pool_cfg: dict[str, object] = {
+        "name": "bench",
+        "backend": backend,
+        "world_size": 1,
+        "detached": False,
+        "transfer_window_size": "64MB",
+    }
+    if backend == "mooncake":
+        pool_cfg["mooncake"] = {"global_segment_size": segment, "local_buffer_size": "64MB"}
+    else:
+        pool_cfg["datasystem"] = {"shared_memory_size": segment}
+    pool = Pool.start(PoolConfig.from_dict(pool_cfg, environ={}))
     results: dict[str, dict[str, float]] = {}
     try:
         keys = [f"kv-{i}" for i in range(blocks)]
@@ -254,6 +330,7 @@ def main() -> int:
                 "raw_exists_p50": raw_exists_ms,
             },
             "params": {
+                "backend": backend,
                 "blocks": blocks,
                 "block_bytes": block,
                 "reps": args.reps,
@@ -270,7 +347,7 @@ def main() -> int:
     print(f"{'path':<22}{'put GB/s':>10}{'get GB/s':>10}{'put/raw':>9}{'get/raw':>9}")
     rows = [
         ("memcpy (ceiling)", memcpy, memcpy),
-        ("raw mooncake", raw_put, raw_get),
+        (f"raw {backend}", raw_put, raw_get),
         ("kvray (shared region)", g["kvray_put"], g["kvray_get"]),
         ("kvray (staged copy)", g["kvray_staged_put"], g["kvray_staged_get"]),
     ]
@@ -280,7 +357,7 @@ def main() -> int:
     print(f"\nprefix lookup of {blocks} blocks (ms){'p50':>8}{'p99':>8}")
     print(f"{'kvray Pool.lookup (Ray call)':<29}{lk['p50']:>8.2f}{lk['p99']:>8.2f}")
     print(f"{'  of which Ray call floor':<29}{lk['ray_call_floor_p50']:>8.2f}")
-    print(f"{'raw batch_is_exist in-process':<29}{lk['raw_exists_p50']:>8.2f}")
+    print(f"{'raw exists query in-process':<29}{lk['raw_exists_p50']:>8.2f}")
     put_x, get_x = g["kvray_put"] / raw_put, g["kvray_get"] / raw_get
     print(
         f"\ntargets: kvray >= 0.8x raw: put {put_x:.2f}x, get {get_x:.2f}x; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +31,16 @@ def tiny_model(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
-def start_pool(name: str, world_size: int, segment: str):  # type: ignore[no-untyped-def]
+def start_pool(name: str, world_size: int, segment: str, backend: str = "mooncake"):  # type: ignore[no-untyped-def]
+    """A pool with its embedded server: a mooncake_master (each rank contributes
+    ``segment``) or a datasystem worker (``segment`` of shared memory in all)."""
     from kvray import Pool, PoolConfig
 
-    mooncake = {"global_segment_size": segment, "local_buffer_size": "32MB"}
-    data = {"name": name, "world_size": world_size, "detached": False, "mooncake": mooncake}
+    data: dict = {"name": name, "world_size": world_size, "detached": False, "backend": backend}
+    if backend == "mooncake":
+        data["mooncake"] = {"global_segment_size": segment, "local_buffer_size": "32MB"}
+    else:
+        data["datasystem"] = {"shared_memory_size": segment, "threads": 2}
     return Pool.start(PoolConfig.from_dict(data, environ={}))
 
 
@@ -79,3 +85,34 @@ def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
     result = json.loads(out_path.read_text())
     result["log"] = res.stdout + res.stderr
     return result
+
+
+SHARED = prompts(1, 2 * BLOCK)  # two full blocks both prompts start with
+P1 = prompts(2, 4 * BLOCK + 40, SHARED)  # 4 full blocks + a partial one
+P2 = prompts(3, 3 * BLOCK + 10, SHARED)  # shares blocks 0-1, then differs
+P3 = prompts(4, 3 * BLOCK + 5)
+
+
+def connector(pool_name: str = "e2e", **extra):  # type: ignore[no-untyped-def]
+    return {"extra": {"pool_name": pool_name, "namespace": "kvray", **extra}}
+
+
+def request_lines(log: str) -> list[dict[str, int]]:
+    lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
+    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
+
+
+@pytest.fixture(scope="session")
+def baseline(ray_cluster, tiny_model, tmp_path_factory):
+    """The same prompts without any connector: the outputs to match."""
+    out = run_engine(
+        ray_cluster,
+        tmp_path_factory.mktemp("base"),
+        "baseline",
+        {"model": tiny_model, "connector": None, "runs": [[P1], [P2], [P3]]},
+    )
+    return {
+        "P1": out["runs"][0]["outputs"][0],
+        "P2": out["runs"][1]["outputs"][0],
+        "P3": out["runs"][2]["outputs"][0],
+    }

@@ -4,43 +4,11 @@ failed load recomputes or fails the request as the policy says."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from .conftest import BLOCK, prompts, run_engine
+from .conftest import P1, P2, P3, connector, request_lines, run_engine
 
 pytestmark = pytest.mark.e2e
-
-SHARED = prompts(1, 2 * BLOCK)  # two full blocks both prompts start with
-P1 = prompts(2, 4 * BLOCK + 40, SHARED)  # 4 full blocks + a partial one
-P2 = prompts(3, 3 * BLOCK + 10, SHARED)  # shares blocks 0-1, then differs
-P3 = prompts(4, 3 * BLOCK + 5)
-
-
-def connector(**extra):
-    return {"extra": {"pool_name": "e2e", "namespace": "kvray", **extra}}
-
-
-def request_lines(log: str) -> list[dict[str, int]]:
-    lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
-    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
-
-
-@pytest.fixture(scope="module")
-def baseline(ray_cluster, tiny_model, tmp_path_factory):
-    """The same prompts without any connector: the outputs to match."""
-    out = run_engine(
-        ray_cluster,
-        tmp_path_factory.mktemp("base"),
-        "baseline",
-        {"model": tiny_model, "connector": None, "runs": [[P1], [P2], [P3]]},
-    )
-    return {
-        "P1": out["runs"][0]["outputs"][0],
-        "P2": out["runs"][1]["outputs"][0],
-        "P3": out["runs"][2]["outputs"][0],
-    }
 
 
 def test_save_then_load_matches_baseline(pool, ray_cluster, tiny_model, baseline, tmp_path):

@@ -28,10 +28,16 @@ class KeyRules:
     allowed: re.Pattern[str]
     """Matches one allowed character."""
 
+    def __post_init__(self) -> None:
+        # One compiled pass over the whole key: encode runs for every key of every batch.
+        whole = re.compile(f"(?:{self.allowed.pattern})+")
+        object.__setattr__(self, "_whole", whole)
+
     def fits(self, key: str) -> bool:
+        whole: re.Pattern[str] = getattr(self, "_whole")  # noqa: B009  (set in __post_init__)
         return (
-            0 < len(key) <= self.max_len
-            and all(self.allowed.fullmatch(c) for c in key)
+            len(key) <= self.max_len
+            and whole.fullmatch(key) is not None
             and not _SUFFIX_RE.search(key)
         )
 

@@ -1,5 +1,6 @@
 """PoolManager actor: owns a pool's spec and, in embedded mode, the backend's server:
-a ``mooncake_master``, or a datasystem worker with its embedded metastore."""
+a ``mooncake_master``, a datasystem worker with its embedded metastore, or a MemCache
+MetaService."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ import ray
 from kvray.config import PoolConfig
 from kvray.datasystem import DatasystemWorker
 from kvray.master import MooncakeMaster
+from kvray.mmc_meta import MetaService
+
+SERVER_KIND = {
+    "mooncake": "mooncake_master",
+    "yuanrong": "datasystem worker",
+    "memcache": "MemCache MetaService",
+}
 
 
 class PoolManagerActor:
@@ -21,11 +29,21 @@ class PoolManagerActor:
     def __init__(self, config_json: str) -> None:
         self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
-        self._server: MooncakeMaster | DatasystemWorker | None = None
-        self._server_kind = (
-            "mooncake_master" if config.backend == "mooncake" else "datasystem worker"
-        )
-        if config.backend == "yuanrong":
+        self._server: MooncakeMaster | DatasystemWorker | MetaService | None = None
+        self._server_kind = SERVER_KIND[config.backend]
+        self._resolved: dict[str, Any] = {}
+        if config.backend == "memcache":
+            address = config.memcache.meta_service_url
+            if address is None:
+                meta = MetaService(config.memcache_meta, name=config.name)
+                self._server = meta
+                address = meta.start()
+                # Clients need the config store too; the launcher passes both on.
+                self._resolved = {
+                    "meta_service_url": meta.meta_service_url,
+                    "config_store_url": meta.config_store_url,
+                }
+        elif config.backend == "yuanrong":
             address = config.yuanrong.worker_address
             if address is None:
                 self._server = DatasystemWorker(config.datasystem, name=config.name)
@@ -50,6 +68,7 @@ class PoolManagerActor:
             "started_at": self._started_at,
             "node_pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "resolved": self._resolved,
         }
 
     async def stop(self) -> None:

@@ -40,7 +40,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     _connect(args)
     print(f"starting kvray pool {config.name!r} ({config.world_size} rank(s)) ...", flush=True)
     handles = launcher.launch(config)
-    server = "mooncake_master" if config.backend == "mooncake" else "datasystem worker"
+    server = {"mooncake": "mooncake_master", "yuanrong": "datasystem worker"}.get(
+        config.backend, "MemCache MetaService"
+    )
     mode = f"embedded {server}" if handles.embedded else f"external {server}"
     where = f"{config.backend} at {handles.server_address} ({mode})"
     print(f"kvray pool {config.name!r} is up: {where}")

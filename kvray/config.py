@@ -25,7 +25,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -46,7 +46,18 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 Protocol = Literal["tcp", "rdma", "ascend"]
-BackendName = Literal["mooncake", "yuanrong"]
+BackendName = Literal["mooncake", "yuanrong", "memcache"]
+MmcProtocol = Literal[
+    "device_rdma",
+    "device_urma",
+    "device_uboe",
+    "device_sdma",
+    "host_shm",
+    "host_urma",
+    "host_rdma",
+    "host_tcp",
+]
+TiB = 1 << 40
 
 
 def _size(value: Any) -> Any:
@@ -307,6 +318,205 @@ class DatasystemWorkerConfig(_Strict):
         return v
 
 
+def _url(scheme: tuple[str, ...]) -> Any:
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            head, sep, rest = value.partition("://")
+            if not sep or head not in scheme:
+                raise ValueError(
+                    f"expected {scheme[0]}://host:port (e.g. '{scheme[0]}://127.0.0.1:5000'), "
+                    f"got {value!r}"
+                )
+            parse_host_port(rest, field="value")
+        return value
+
+    return check
+
+
+TcpUrl = Annotated[str, BeforeValidator(_url(("tcp",)))]
+HttpUrl = Annotated[str, BeforeValidator(_url(("http", "https")))]
+LogLevel = Literal["debug", "info", "warn", "error"]
+
+
+def detect_mmc_protocol(dev_root: Path = Path("/dev")) -> MmcProtocol:
+    """``device_rdma`` where Ascend NPUs exist, else ``host_tcp`` (needs no RDMA NIC)."""
+    return "device_rdma" if any(dev_root.glob("davinci[0-9]*")) else "host_tcp"
+
+
+def _known_extra(v: dict[str, str], typed: dict[str, str]) -> dict[str, str]:
+    from kvray.mmc_conf import KNOWN_KEYS
+
+    for key in v:
+        if key not in KNOWN_KEYS:
+            raise ValueError(f"unknown MemCache key {key!r}")
+        if key in typed.values():
+            field = next(f for f, k in typed.items() if k == key)
+            raise ValueError(f"{key} is a typed field here: set {field!r} instead")
+    return v
+
+
+class MemcacheConfig(_Strict):
+    """The MemCache client of each rank, as ``mmc-local.conf`` describes it
+    (``MMC_LOCAL_CONFIG_PATH``; :meth:`from_env`)."""
+
+    meta_service_url: TcpUrl | None = None
+    """``ock.mmc.meta_service_url``: the MetaService. Unset: kvray starts one itself."""
+    config_store_url: TcpUrl | None = None
+    """``ock.mmc.local_service.config_store_url``; must equal the MetaService's. Unset
+    with an embedded MetaService: kvray fills it in."""
+    protocol: MmcProtocol = Field(default_factory=detect_mmc_protocol)
+    """``ock.mmc.local_service.protocol``; default by hardware."""
+    world_size: int = Field(256, ge=1, le=65536)
+    """``ock.mmc.local_service.world_size``: most ranks that may connect."""
+    dram_size: ByteSize = GiB
+    """``ock.mmc.local_service.dram.size``: host memory this rank contributes."""
+    hbm_size: ByteSize = 0
+    """``ock.mmc.local_service.hbm.size``: device memory this rank contributes."""
+    log_level: LogLevel = "info"
+    """``ock.mmc.log_level``."""
+    device_id: int = Field(0, ge=0)
+    """Device passed to ``init``; with NPUs each rank's actor passes its own NPU."""
+    region: Literal["host", "device"] = "host"
+    """Where the rank's transfer regions live: host memory (``direct`` 3 put / 2 get) or
+    NPU memory (``direct`` 0 put / 1 get)."""
+    lease_ttl_ms: int = Field(5000, ge=0, le=3_600_000)
+    """Lease the lookup client puts on the hits it finds (pins them until loaded)."""
+    extra: dict[str, str] = Field(default_factory=dict)
+    """Other ``ock.mmc.*`` keys of ``mmc-local.conf``, passed through."""
+
+    _KEYS: ClassVar[dict[str, str]] = {
+        "meta_service_url": "ock.mmc.meta_service_url",
+        "config_store_url": "ock.mmc.local_service.config_store_url",
+        "protocol": "ock.mmc.local_service.protocol",
+        "world_size": "ock.mmc.local_service.world_size",
+        "dram_size": "ock.mmc.local_service.dram.size",
+        "hbm_size": "ock.mmc.local_service.hbm.size",
+        "log_level": "ock.mmc.log_level",
+    }
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: dict[str, str]) -> dict[str, str]:
+        return _known_extra(v, cls._KEYS)
+
+    @field_validator("dram_size", "hbm_size")
+    @classmethod
+    def _max(cls, v: int) -> int:
+        if v > TiB:
+            raise ValueError(f"MemCache accepts at most 1TB, got {v} bytes")
+        return v
+
+    @model_validator(mode="after")
+    def _some_memory(self) -> MemcacheConfig:
+        if self.dram_size == 0 and self.hbm_size == 0:
+            raise ValueError("dram_size and hbm_size cannot both be 0 (MemCache refuses it)")
+        if self.meta_service_url is not None and self.config_store_url is None:
+            raise ValueError(
+                "config_store_url is required with an external meta_service_url "
+                "(ock.mmc.local_service.config_store_url, the MetaService's config store)"
+            )
+        return self
+
+    def to_conf(self) -> dict[str, str]:
+        """The ``mmc-local.conf`` items (sizes as bytes, which MemCache accepts)."""
+        out = {key: str(getattr(self, f)) for f, key in self._KEYS.items()}
+        return {k: v for k, v in out.items() if v != "None"} | self.extra
+
+    @classmethod
+    def from_conf(cls, items: Mapping[str, str], *, source: str) -> MemcacheConfig:
+        reverse = {key: f for f, key in cls._KEYS.items()}
+        data: dict[str, Any] = {"extra": {}}
+        for key, value in items.items():
+            if key in reverse:
+                data[reverse[key]] = value
+            else:
+                data["extra"][key] = value
+        return validate(cls, data, source=source)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MemcacheConfig:
+        """``mmc-local.conf`` from ``MMC_LOCAL_CONFIG_PATH``; unset: the defaults
+        (an embedded MetaService)."""
+        from kvray.mmc_conf import read_conf
+
+        env = os.environ if environ is None else environ
+        path = env.get("MMC_LOCAL_CONFIG_PATH")
+        if path is None:
+            return cls()
+        return cls.from_conf(read_conf(path, "MMC_LOCAL_CONFIG_PATH"), source=path)
+
+
+class MemcacheMetaConfig(_Strict):
+    """The MemCache MetaService kvray runs itself (``mmc-meta.conf``; read from
+    ``MMC_META_CONFIG_PATH`` when set). Unset URLs get free loopback ports."""
+
+    meta_service_url: TcpUrl | None = None
+    """``ock.mmc.meta_service_url``."""
+    config_store_url: TcpUrl | None = None
+    """``ock.mmc.meta_service.config_store_url``."""
+    metrics_url: HttpUrl | None = None
+    """``ock.mmc.meta_service.metrics_url``: ``/metrics`` and ``/health`` (default port
+    8000 in MemCache: kvray always sets it)."""
+    log_level: LogLevel = "info"
+    """``ock.mmc.log_level``."""
+    evict_threshold_high: int = Field(90, ge=1, le=100)
+    """``ock.mmc.evict_threshold_high``: start evicting at this % of the pool."""
+    evict_threshold_low: int = Field(80, ge=1, le=100)
+    """``ock.mmc.evict_threshold_low``: evict down to this %."""
+    lease_ttl_ms: int = Field(10000, ge=1)
+    """``ock.mmc.meta.lease_ttl_ms``."""
+    ready_timeout_s: float = Field(30.0, gt=0)
+    """How long the MetaService may take to answer ``/health``."""
+    extra: dict[str, str] = Field(default_factory=dict)
+    """Other ``ock.mmc.*`` keys of ``mmc-meta.conf``, passed through."""
+
+    _KEYS: ClassVar[dict[str, str]] = {
+        "meta_service_url": "ock.mmc.meta_service_url",
+        "config_store_url": "ock.mmc.meta_service.config_store_url",
+        "metrics_url": "ock.mmc.meta_service.metrics_url",
+        "log_level": "ock.mmc.log_level",
+        "evict_threshold_high": "ock.mmc.evict_threshold_high",
+        "evict_threshold_low": "ock.mmc.evict_threshold_low",
+        "lease_ttl_ms": "ock.mmc.meta.lease_ttl_ms",
+    }
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: dict[str, str]) -> dict[str, str]:
+        return _known_extra(v, cls._KEYS)
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> MemcacheMetaConfig:
+        if self.evict_threshold_low >= self.evict_threshold_high:
+            raise ValueError(
+                f"evict_threshold_low ({self.evict_threshold_low}) must be below "
+                f"evict_threshold_high ({self.evict_threshold_high})"
+            )
+        return self
+
+    def to_conf(self) -> dict[str, str]:
+        out = {key: str(getattr(self, f)) for f, key in self._KEYS.items()}
+        return {k: v for k, v in out.items() if v != "None"} | self.extra
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MemcacheMetaConfig:
+        from kvray.mmc_conf import read_conf
+
+        env = os.environ if environ is None else environ
+        path = env.get("MMC_META_CONFIG_PATH")
+        if path is None:
+            return cls()
+        items = read_conf(path, "MMC_META_CONFIG_PATH")
+        reverse = {key: f for f, key in cls._KEYS.items()}
+        data: dict[str, Any] = {"extra": {}}
+        for key, value in items.items():
+            if key in reverse:
+                data[reverse[key]] = value
+            else:
+                data["extra"][key] = value
+        return validate(cls, data, source=path)
+
+
 def _partition(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -397,7 +607,8 @@ class PoolConfig(_Strict):
     namespace: str = Field("kvray", pattern=_NAME_PATTERN)
     """Ray namespace of the pool's actors."""
     backend: BackendName = "mooncake"
-    """Storage backend: ``mooncake`` or ``yuanrong`` (openYuanrong datasystem)."""
+    """Storage backend: ``mooncake``, ``yuanrong`` (openYuanrong datasystem) or
+    ``memcache`` (Huawei MemCache; its data path needs the Ascend driver)."""
     world_size: int = Field(1, ge=1, le=4096)
     """Ranks (TP x PP x DP workers) the pool serves; one BackendClient + Lookup each."""
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
@@ -408,6 +619,10 @@ class PoolConfig(_Strict):
     """openYuanrong datasystem client settings (``DS_*`` environment variables)."""
     datasystem: DatasystemWorkerConfig = Field(default_factory=DatasystemWorkerConfig)
     """The embedded datasystem worker (used only without a worker address)."""
+    memcache: MemcacheConfig = Field(default_factory=MemcacheConfig)
+    """MemCache client settings (``mmc-local.conf``)."""
+    memcache_meta: MemcacheMetaConfig = Field(default_factory=MemcacheMetaConfig)
+    """The embedded MemCache MetaService (used only without a meta_service_url)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the per-rank bundles."""
     cpus_per_rank: float = Field(0.1, ge=0)
@@ -433,9 +648,20 @@ class PoolConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _memcache_ranks(self) -> PoolConfig:
+        if self.backend == "memcache" and self.world_size > self.memcache.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} exceeds memcache.world_size "
+                f"{self.memcache.world_size} (ock.mmc.local_service.world_size): raise it"
+            )
+        return self
+
     @property
     def embedded_server(self) -> bool:
         """Whether kvray runs the backend's server itself (no address configured)."""
+        if self.backend == "memcache":
+            return self.memcache.meta_service_url is None
         if self.backend == "yuanrong":
             return self.yuanrong.worker_address is None
         return self.mooncake.master_server_address is None
@@ -467,6 +693,11 @@ class PoolConfig(_Strict):
             data["mooncake"] = MooncakeConfig.from_env(environ)
         if data.get("backend") == "yuanrong" and "yuanrong" not in data:
             data["yuanrong"] = YuanrongConfig.from_env(environ)
+        if data.get("backend") == "memcache":
+            if "memcache" not in data:
+                data["memcache"] = MemcacheConfig.from_env(environ)
+            if "memcache_meta" not in data:
+                data["memcache_meta"] = MemcacheMetaConfig.from_env(environ)
         return validate(cls, data, source=source)
 
 

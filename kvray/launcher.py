@@ -152,6 +152,7 @@ def launch(config: PoolConfig) -> PoolHandles:
                 "(kvray down), or choose another name"
             )
         address = spec["server_address"]
+        actor_config_json = _actor_config(config, spec.get("resolved") or {})
         rank_address = [_rank_address(config, rank, address) for rank in range(config.world_size)]
         per_actor_cpu = config.cpus_per_rank / 2
         backends, lookups = [], []
@@ -170,7 +171,7 @@ def launch(config: PoolConfig) -> PoolHandles:
                         max_concurrency=32,
                     )
                 )
-                .remote(config_json, rank, rank_address[rank])
+                .remote(actor_config_json, rank, rank_address[rank])
             )
             lookups.append(
                 ray.remote(LookupActor)
@@ -185,13 +186,18 @@ def launch(config: PoolConfig) -> PoolHandles:
                         max_concurrency=64,
                     )
                 )
-                .remote(config_json, rank, rank_address[rank])
+                .remote(actor_config_json, rank, rank_address[rank])
             )
         created += backends + lookups
         probes = _check_started(backends + lookups)
         if config.backend == "yuanrong" and spec["embedded"]:
             _check_one_node(spec, probes[: config.world_size])
     except BaseException:
+        if created:
+            # Stop the embedded server cleanly (its directory goes with it) before the
+            # manager is killed; a manager that failed to start has nothing to stop.
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                ray.get(created[0].stop.remote(), timeout=30)
         for actor in created:
             ray.kill(actor, no_restart=True)
         if created:
@@ -209,6 +215,15 @@ def launch(config: PoolConfig) -> PoolHandles:
         time.monotonic() - started,
     )
     return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups)
+
+
+def _actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
+    """The config the rank actors get: the pool's, with what the embedded server chose
+    (MemCache clients need the MetaService's config-store url as well as its url)."""
+    if config.backend == "memcache" and resolved:
+        memcache = config.memcache.model_copy(update=resolved)
+        return config.model_copy(update={"memcache": memcache}).model_dump_json()
+    return config.model_dump_json()
 
 
 def _rank_address(config: PoolConfig, rank: int, server_address: str) -> str:

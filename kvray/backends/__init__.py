@@ -22,6 +22,12 @@ def make_backend(
             io_threads=config.io_threads,
             contribute_memory=contribute_memory,
         )
+    if config.backend == "memcache":
+        from kvray.backends.memcache import MemcacheBackend
+
+        return MemcacheBackend(
+            config.memcache, contribute_memory=contribute_memory, io_threads=config.io_threads
+        )
     if config.backend == "yuanrong":
         # A datasystem client contributes no memory either way: the worker owns it.
         if config.yuanrong.device == "npu":

@@ -1,5 +1,7 @@
-"""The backend contract (kvray/backends/base.py), checked directly against each real
-backend. A new backend joins by adding a factory to BACKENDS; the tests stay unchanged."""
+"""The backend contract (kvray/backends/base.py), checked directly against each backend:
+the real Mooncake and datasystem servers, and kvray's MemCache adapter over a FAKE
+MemCache data path (tests/fakes/memcache.py: the real one needs the Ascend driver). A new
+backend joins by adding a factory to BACKENDS; the tests stay unchanged."""
 
 from __future__ import annotations
 
@@ -34,7 +36,16 @@ def _yuanrong(request) -> Backend:  # type: ignore[no-untyped-def]
     return YuanrongBackend(cfg, worker.address, io_threads=2)
 
 
-BACKENDS = {"mooncake": _mooncake, "yuanrong": _yuanrong}
+def _memcache_fake(request) -> Backend:  # type: ignore[no-untyped-def]
+    from kvray.backends.memcache import MemcacheBackend
+    from kvray.config import MemcacheConfig
+    from tests.fakes.memcache import FakeMemcacheCluster
+
+    cfg = MemcacheConfig(meta_service_url="tcp://127.0.0.1:1", config_store_url="tcp://127.0.0.1:2")
+    return MemcacheBackend(cfg, store_factory=FakeMemcacheCluster().store_factory())
+
+
+BACKENDS = {"mooncake": _mooncake, "yuanrong": _yuanrong, "memcache-fake": _memcache_fake}
 """Each factory gets the test's ``request`` and pulls the server fixture it needs."""
 
 UNREACHABLE = {
@@ -44,8 +55,17 @@ UNREACHABLE = {
     "yuanrong": lambda address: _import("yuanrong").YuanrongBackend(
         YuanrongConfig(worker_address=address, connect_timeout_ms=2000), address
     ),
+    "memcache": lambda address: _import("memcache").MemcacheBackend(
+        _memcache_config(f"tcp://{address}"), contribute_memory=False
+    ),
 }
 """How each backend's client is made against an address where nothing listens."""
+
+
+def _memcache_config(url: str):  # type: ignore[no-untyped-def]
+    from kvray.config import MemcacheConfig
+
+    return MemcacheConfig(meta_service_url=url, config_store_url="tcp://127.0.0.1:1")
 
 
 def _import(name: str):  # type: ignore[no-untyped-def]

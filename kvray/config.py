@@ -333,6 +333,17 @@ def _url(scheme: tuple[str, ...]) -> Any:
     return check
 
 
+def _mmc_size(value: Any) -> Any:
+    # MemCache's files also write "2048K" and "200m"; elsewhere a bare "10G" stays an error.
+    if isinstance(value, str):
+        v = value.strip()
+        if v[-1:].lower() in ("k", "m", "g", "t") and v[:-1].replace(".", "", 1).isdigit():
+            v += "B"
+        return parse_size(v, field="value")
+    return _size(value)
+
+
+MmcSize = Annotated[int, BeforeValidator(_mmc_size), Field(ge=0)]
 TcpUrl = Annotated[str, BeforeValidator(_url(("tcp",)))]
 HttpUrl = Annotated[str, BeforeValidator(_url(("http", "https")))]
 LogLevel = Literal["debug", "info", "warn", "error"]
@@ -368,9 +379,9 @@ class MemcacheConfig(_Strict):
     """``ock.mmc.local_service.protocol``; default by hardware."""
     world_size: int = Field(256, ge=1, le=65536)
     """``ock.mmc.local_service.world_size``: most ranks that may connect."""
-    dram_size: ByteSize = GiB
+    dram_size: MmcSize = GiB
     """``ock.mmc.local_service.dram.size``: host memory this rank contributes."""
-    hbm_size: ByteSize = 0
+    hbm_size: MmcSize = 0
     """``ock.mmc.local_service.hbm.size``: device memory this rank contributes."""
     log_level: LogLevel = "info"
     """``ock.mmc.log_level``."""

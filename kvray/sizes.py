@@ -12,8 +12,6 @@ import re
 from decimal import Decimal, InvalidOperation
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
-# MemCache's config files also write "2048K" and "200m".
-_UNITS.update({"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 

@@ -81,7 +81,7 @@ def test_typos_and_bad_values_are_named():
         PoolConfig.from_dict({"backend": "yuanrong", "yuanrong": {"write_mod": "keep"}})
     with pytest.raises(ConfigError, match=r"datasystem\.shared_memory_size: .*at least 64MB"):
         PoolConfig.from_dict({"backend": "yuanrong", "datasystem": {"shared_memory_size": "1MB"}})
-    with pytest.raises(ConfigError, match=r"backend: .*'mooncake' or 'yuanrong'"):
+    with pytest.raises(ConfigError, match=r"backend: .*'mooncake', 'yuanrong' or 'memcache'"):
         PoolConfig.from_dict({"backend": "redis"}, environ={})
     assert ConnectorConfig(backend="yuanrong").backend == "yuanrong"
 

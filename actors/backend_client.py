@@ -13,10 +13,14 @@ import ray
 from kvray.backends import KeyStatus, make_backend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
+from kvray.naming import ssd_name
 from kvray.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
+
+_LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED)
+"""DRAM outcomes the SSD tier may still turn into a hit (it rewrites every byte)."""
 
 REGION_SWEEP_S = 30.0
 """How often mappings of regions whose owner went away are dropped."""
@@ -30,6 +34,16 @@ class BackendClientActor:
         config = PoolConfig.model_validate_json(config_json)
         self._store = RankStore(make_backend(config, server_address), rank)
         self._sweeper: asyncio.Task[None] | None = None
+        # Pipeline "<backend>|ssd": the rank's SSD offload actor is the lower tier.
+        self._ssd_name = (
+            (ssd_name(config.name, rank), config.namespace) if config.ssd_tier else None
+        )
+        self._ssd: Any = None
+
+    def _ssd_actor(self) -> Any:
+        if self._ssd is None and self._ssd_name is not None:
+            self._ssd = ray.get_actor(self._ssd_name[0], namespace=self._ssd_name[1])
+        return self._ssd
 
     def _ensure_sweeper(self) -> None:
         # Started from the first data call: __init__ runs before the actor's loop does.
@@ -55,20 +69,61 @@ class BackendClientActor:
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
         self._ensure_sweeper()
-        return await self._store.put(batch, overwrite=overwrite)
+        ssd = self._ssd_actor()
+        if ssd is None:
+            return await self._store.put(batch, overwrite=overwrite)
+        # Write-through to both tiers at once; the caller may reuse its memory when this
+        # returns, so the SSD write is awaited too. Stored in either tier is stored.
+        dram, lower = await asyncio.gather(
+            self._store.put(batch, overwrite=overwrite), ssd.put.remote(batch, overwrite)
+        )
+        self._store.stats.ssd_put_keys += sum(s is KeyStatus.OK for s in lower)
+        return [
+            KeyStatus.OK if KeyStatus.OK in (d, s) else d for d, s in zip(dram, lower, strict=True)
+        ]
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
         self._ensure_sweeper()
-        return await self._store.get(batch)
+        statuses = await self._store.get(batch)
+        ssd = self._ssd_actor()
+        if ssd is None:
+            return statuses
+        misses = [i for i, s in enumerate(statuses) if s in _LOWER_TIER_SERVES]
+        if misses:
+            sub = batch.take(misses)
+            lower = await ssd.get.remote(sub)
+            nbytes = sub.key_nbytes()
+            for j, (i, s) in enumerate(zip(misses, lower, strict=True)):
+                if s is KeyStatus.OK:
+                    statuses[i] = KeyStatus.OK
+                    self._store.stats.ssd_get_keys += 1
+                    self._store.stats.ssd_get_bytes += int(nbytes[j])
+        return statuses
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self._store.exists(keys)
+        present = await self._store.exists(keys)
+        ssd = self._ssd_actor()
+        if ssd is None or all(present):
+            return present
+        lower = await ssd.exists.remote(list(keys))
+        return [a or b for a, b in zip(present, lower, strict=True)]
 
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
-        return await self._store.remove(keys, force=force)
+        statuses = await self._store.remove(keys, force=force)
+        ssd = self._ssd_actor()
+        if ssd is None:
+            return statuses
+        lower = await ssd.remove.remote(list(keys), force)
+        return [
+            KeyStatus.OK if KeyStatus.OK in (d, s) else d
+            for d, s in zip(statuses, lower, strict=True)
+        ]
 
     async def release_region(self, region_id: str) -> None:
         await self._store.release_region(region_id)
+        ssd = self._ssd_actor()
+        if ssd is not None:
+            await ssd.release_region.remote(region_id)
 
     async def health(self) -> bool:
         return await self._store.backend.health()

@@ -528,6 +528,41 @@ class MemcacheMetaConfig(_Strict):
         return validate(cls, data, source=path)
 
 
+class SsdConfig(_Strict):
+    """kvray's SSD tier: per rank, blocks as checksummed files under ``<path>/rank_<N>/``."""
+
+    path: str
+    """Directory on the SSD (absolute, existing, writable, no symlinks or ``..``; checked
+    on the node that writes it)."""
+    quota: ByteSize = 64 * GiB
+    """Bytes per rank (payload + headers); larger than the disk is an error."""
+    eviction: Literal["none", "fifo", "lru"] = "lru"
+    """When full: ``none`` reports the put as pool full, ``fifo`` drops the oldest
+    written, ``lru`` the least recently read or written."""
+    io_threads: int = Field(4, ge=1, le=64)
+    """Blocks read or written concurrently."""
+    direct_io: bool = False
+    """``O_DIRECT`` for keys whose addresses and sizes are 4 KiB aligned."""
+    fsync: bool = False
+    """fsync each block before it becomes visible (survives power loss, slower). Without
+    it a block is still whole or absent after a process crash."""
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        p = Path(v)
+        if not p.is_absolute() or ".." in p.parts:
+            raise ValueError(f"must be an absolute path without '..', got {v!r}")
+        return v
+
+    @field_validator("quota")
+    @classmethod
+    def _quota(cls, v: int) -> int:
+        if v < MiB:
+            raise ValueError(f"must be at least 1MB, got {v} bytes")
+        return v
+
+
 def _partition(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -634,6 +669,11 @@ class PoolConfig(_Strict):
     """MemCache client settings (``mmc-local.conf``)."""
     memcache_meta: MemcacheMetaConfig = Field(default_factory=MemcacheMetaConfig)
     """The embedded MemCache MetaService (used only without a meta_service_url)."""
+    pipeline: str | None = None
+    """Tiers, fastest first: ``"<backend>"`` (default) or ``"<backend>|ssd"`` (store to
+    both, load from DRAM and fall back to SSD for misses, as UCM's ``Mooncake|Posix``)."""
+    ssd: SsdConfig | None = None
+    """kvray's SSD tier (needed by a pipeline with ``ssd``)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the per-rank bundles."""
     cpus_per_rank: float = Field(0.1, ge=0)
@@ -658,6 +698,25 @@ class PoolConfig(_Strict):
                 f"{self.world_size}: give one worker address per rank"
             )
         return self
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> PoolConfig:
+        if self.pipeline is None:
+            return self
+        tiers = [t.strip() for t in self.pipeline.split("|")]
+        if tiers[0] != self.backend or tiers[1:] not in ([], ["ssd"]):
+            raise ValueError(
+                f"pipeline {self.pipeline!r}: write '{self.backend}' or '{self.backend}|ssd' "
+                "(the pool's backend first, then optionally the ssd tier)"
+            )
+        if "ssd" in tiers and self.ssd is None:
+            raise ValueError(f"pipeline {self.pipeline!r} needs an ssd section (ssd.path, ...)")
+        return self
+
+    @property
+    def ssd_tier(self) -> bool:
+        """Whether the pool chains kvray's SSD tier under its DRAM backend."""
+        return self.pipeline is not None and self.pipeline.replace(" ", "").endswith("|ssd")
 
     @model_validator(mode="after")
     def _memcache_ranks(self) -> PoolConfig:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -37,6 +37,7 @@ from kvray.naming import (
     manager_name,
     placement_group_name,
     region_prefix,
+    ssd_name,
 )
 from kvray.shm import remove_leftovers
 
@@ -61,6 +62,8 @@ class PoolHandles:
     manager: Any
     backends: list[Any]
     lookups: list[Any]
+    ssds: list[Any] = field(default_factory=list)
+    """Per-rank SSD offload actors (pipeline ``<backend>|ssd``), else empty."""
 
 
 def _actor_error(exc: BaseException) -> str:
@@ -114,6 +117,7 @@ def launch(config: PoolConfig) -> PoolHandles:
     from kvray.actors.backend_client import BackendClientActor
     from kvray.actors.lookup import LookupActor
     from kvray.actors.manager import PoolManagerActor
+    from kvray.actors.ssd import SsdOffloadActor
 
     if not ray.is_initialized():
         raise BackendUnavailableError(
@@ -154,10 +158,26 @@ def launch(config: PoolConfig) -> PoolHandles:
         address = spec["server_address"]
         actor_config_json = _actor_config(config, spec.get("resolved") or {})
         rank_address = [_rank_address(config, rank, address) for rank in range(config.world_size)]
-        per_actor_cpu = config.cpus_per_rank / 2
-        backends, lookups = [], []
+        per_actor_cpu = config.cpus_per_rank / (3 if config.ssd_tier else 2)
+        backends, lookups, ssds = [], [], []
         for rank in range(config.world_size):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            if config.ssd_tier:
+                ssds.append(
+                    ray.remote(SsdOffloadActor)
+                    .options(
+                        **_options(
+                            config,
+                            ssd_name(config.name, rank),
+                            num_cpus=per_actor_cpu,
+                            scheduling_strategy=strategy,
+                            max_restarts=-1,
+                            max_task_retries=3,
+                            max_concurrency=32,
+                        )
+                    )
+                    .remote(actor_config_json, rank)
+                )
             backends.append(
                 ray.remote(BackendClientActor)
                 .options(
@@ -188,8 +208,8 @@ def launch(config: PoolConfig) -> PoolHandles:
                 )
                 .remote(actor_config_json, rank, rank_address[rank])
             )
-        created += backends + lookups
-        probes = _check_started(backends + lookups)
+        created += backends + lookups + ssds
+        probes = _check_started(backends + lookups + ssds)
         if config.backend == "yuanrong" and spec["embedded"]:
             _check_one_node(spec, probes[: config.world_size])
     except BaseException:
@@ -214,7 +234,7 @@ def launch(config: PoolConfig) -> PoolHandles:
         else f"external {spec['server_kind']}",
         time.monotonic() - started,
     )
-    return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups)
+    return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups, ssds)
 
 
 def _actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
@@ -283,6 +303,11 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
     lookups = [
         ray.get_actor(lookup_name(name, r), namespace=namespace) for r in range(config.world_size)
     ]
+    ssds = (
+        [ray.get_actor(ssd_name(name, r), namespace=namespace) for r in range(config.world_size)]
+        if config.ssd_tier
+        else []
+    )
     return PoolHandles(
         config,
         manager_spec["server_address"],
@@ -290,12 +315,13 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
         manager,
         backends,
         lookups,
+        ssds,
     )
 
 
 def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
     """Close clients, stop the embedded server, kill the actors, free the bundles."""
-    rank_actors = handles.backends + handles.lookups
+    rank_actors = handles.backends + handles.lookups + handles.ssds
     closing = [a.close.remote() for a in rank_actors]
     ready, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
     if len(ready) < len(closing):

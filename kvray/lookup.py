@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -32,11 +32,17 @@ def leading_hits(present: Sequence[bool], num_blocks: int, world_size: int) -> i
     return num_blocks if everywhere.all() else int(np.argmin(everywhere))
 
 
-class LookupService:
-    """Answers prefix lookups against one backend client."""
+LowerTier = Callable[[int, list[str]], Awaitable[list[bool]]]
+"""``(rank, keys) -> present``: the SSD tier of a rank, asked for what DRAM lacks."""
 
-    def __init__(self, backend: Backend) -> None:
+
+class LookupService:
+    """Answers prefix lookups against one backend client (and, in a ``<backend>|ssd``
+    pipeline, each rank's SSD tier for the keys DRAM lacks)."""
+
+    def __init__(self, backend: Backend, lower: LowerTier | None = None) -> None:
         self.backend = backend
+        self.lower = lower
         self.stats = RankStats()
         self._warned: set[str] = set()
 
@@ -49,7 +55,7 @@ class LookupService:
             return 0
         keys = [k for r in range(space.world_size) for k in space.rank_key_strs(hashes, r)]
         try:
-            present = await asyncio.wait_for(self.backend.exists(keys), timeout_s)
+            present, dram = await asyncio.wait_for(self._present(keys, len(hashes)), timeout_s)
         except TimeoutError:
             self.stats.lookup_timeouts += 1
             self._warn_once(
@@ -61,8 +67,28 @@ class LookupService:
             self._warn_once("error", "lookup failed (%s): counted as a miss", exc)
             return 0
         hits = leading_hits(present, len(hashes), space.world_size)
+        if dram is not None and hits:
+            in_dram = leading_hits(dram, len(hashes), space.world_size)
+            self.stats.lookup_ssd_blocks += hits - min(in_dram, hits)
         self.stats.lookup_hit_blocks += hits
         return hits
+
+    async def _present(self, keys: list[str], n: int) -> tuple[list[bool], list[bool] | None]:
+        """Presence in any tier, and in DRAM alone (None when no lower tier was asked)."""
+        present = await self.backend.exists(keys)
+        if self.lower is None or all(present):
+            return present, None
+        ranks = len(keys) // n if n else 0
+        asks = {r: [i for i in range(r * n, (r + 1) * n) if not present[i]] for r in range(ranks)}
+        asks = {r: idx for r, idx in asks.items() if idx}
+        answers = await asyncio.gather(
+            *(self.lower(r, [keys[i] for i in idx]) for r, idx in asks.items())
+        )
+        merged = list(present)
+        for idx, got in zip(asks.values(), answers, strict=True):
+            for i, p in zip(idx, got, strict=True):
+                merged[i] = merged[i] or p
+        return merged, present
 
     def _warn_once(self, kind: str, msg: str, *args: object) -> None:
         if kind not in self._warned:

@@ -18,6 +18,10 @@ def lookup_name(pool: str, rank: int) -> str:
     return f"{pool}.lookup.{rank}"
 
 
+def ssd_name(pool: str, rank: int) -> str:
+    return f"{pool}.ssd.{rank}"
+
+
 def placement_group_name(pool: str) -> str:
     return f"{pool}.pg"
 

@@ -503,6 +503,7 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
     status = PoolStatus(
         cfg.name, cfg.namespace, cfg.backend, h.server_address, h.embedded, cfg.world_size
     )
+    status.ssd = cfg.ssd_tier
 
     async def one(rank: int) -> RankStatus:
         try:
@@ -515,6 +516,12 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
         except (ray.exceptions.RayError, TimeoutError) as exc:
             return RankStatus(rank, "", 0, False, RankStats(), error=type(exc).__name__)
         stats = RankStats.from_dict(snap["stats"]).merge(RankStats.from_dict(look["stats"]))
+        if h.ssds:
+            try:
+                tier = await asyncio.wait_for(h.ssds[rank].snapshot.remote(), timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                return RankStatus(rank, "", 0, False, stats, error=f"ssd: {type(exc).__name__}")
+            stats.merge(RankStats.from_dict(tier["tier"]))
         return RankStatus(rank, snap["info"]["segment"], snap["info"]["segment_bytes"], True, stats)
 
     status.ranks = list(await asyncio.gather(*(one(r) for r in range(cfg.world_size))))

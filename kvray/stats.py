@@ -25,6 +25,17 @@ class RankStats:
     lookup_timeouts: int = 0
     lookup_errors: int = 0
     regions: int = 0
+    ssd_put_keys: int = 0
+    """Blocks the pipeline also wrote to the SSD tier."""
+    ssd_get_keys: int = 0
+    """DRAM misses served by the SSD tier."""
+    ssd_get_bytes: int = 0
+    lookup_ssd_blocks: int = 0
+    """Blocks of lookup hits that only the SSD tier holds."""
+    ssd_blocks: int = 0
+    ssd_used_bytes: int = 0
+    ssd_evictions: int = 0
+    ssd_corrupt: int = 0
 
     def merge(self, other: RankStats) -> RankStats:
         for f in fields(self):

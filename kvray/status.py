@@ -28,6 +28,8 @@ class PoolStatus:
     embedded: bool
     world_size: int
     ranks: list[RankStatus] = field(default_factory=list)
+    ssd: bool = False
+    """The pool chains kvray's SSD tier (``<backend>|ssd``)."""
 
     @property
     def total(self) -> RankStats:
@@ -44,6 +46,7 @@ class PoolStatus:
             "server_address": self.server_address,
             "embedded": self.embedded,
             "world_size": self.world_size,
+            "ssd": self.ssd,
             "ranks": [
                 {
                     "rank": r.rank,
@@ -84,6 +87,8 @@ class PoolStatus:
             "hit rate",
             "regions",
         ]
+        if self.ssd:
+            cols += ["ssd got", "ssd hits", "ssd used", "ssd evict", "ssd bad"]
         rows = []
         for r in [*self.ranks, None]:
             s = self.total if r is None else r.stats
@@ -105,6 +110,17 @@ class PoolStatus:
                     f"{100 * s.lookup_hit_rate:.1f}%",
                     str(s.regions),
                 ]
+                + (
+                    [
+                        str(s.ssd_get_keys),
+                        str(s.lookup_ssd_blocks),
+                        format_size(s.ssd_used_bytes),
+                        str(s.ssd_evictions),
+                        str(s.ssd_corrupt),
+                    ]
+                    if self.ssd
+                    else []
+                )
             )
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]

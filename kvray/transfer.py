@@ -74,3 +74,10 @@ class TransferBatch:
     def key_nbytes(self) -> np.ndarray:
         sums: np.ndarray = self.lengths.sum(axis=1)
         return sums
+
+    def take(self, indices: Sequence[int]) -> TransferBatch:
+        """The batch of keys ``indices`` (e.g. the DRAM misses a lower tier should load)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return TransferBatch(
+            self.region, tuple(self.keys[i] for i in idx), self.offsets[idx], self.lengths[idx]
+        )

@@ -1,5 +1,6 @@
 """The backend contract (kvray/backends/base.py), checked directly against each backend:
-the real Mooncake and datasystem servers, and kvray's MemCache adapter over a FAKE
+the real Mooncake and datasystem servers, kvray's SSD tier on the real disk, and kvray's
+MemCache adapter over a FAKE
 MemCache data path (tests/fakes/memcache.py: the real one needs the Ascend driver). A new
 backend joins by adding a factory to BACKENDS; the tests stay unchanged."""
 
@@ -45,7 +46,20 @@ def _memcache_fake(request) -> Backend:  # type: ignore[no-untyped-def]
     return MemcacheBackend(cfg, store_factory=FakeMemcacheCluster().store_factory())
 
 
-BACKENDS = {"mooncake": _mooncake, "yuanrong": _yuanrong, "memcache-fake": _memcache_fake}
+def _ssd(request) -> Backend:  # type: ignore[no-untyped-def]
+    from kvray.backends.ssd import SsdBackend
+    from kvray.config import SsdConfig
+
+    path = request.getfixturevalue("tmp_path")
+    return SsdBackend(SsdConfig(path=str(path), quota="64MB", io_threads=2), rank=0)
+
+
+BACKENDS = {
+    "mooncake": _mooncake,
+    "yuanrong": _yuanrong,
+    "memcache-fake": _memcache_fake,
+    "ssd": _ssd,
+}
 """Each factory gets the test's ``request`` and pulls the server fixture it needs."""
 
 UNREACHABLE = {

@@ -1,0 +1,59 @@
+"""SSD offload manager actor: one rank's SSD tier (files under ``<ssd.path>/rank_<N>/``),
+in the rank's placement-group bundle so that it writes the rank's own node's disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from kvray.backends import KeyStatus
+from kvray.backends.ssd import SsdBackend
+from kvray.config import PoolConfig
+from kvray.keys import probe_hash
+from kvray.rank_store import RankStore
+from kvray.transfer import TransferBatch
+
+
+class SsdOffloadActor:
+    def __init__(self, config_json: str, rank: int) -> None:
+        logging.basicConfig(level=logging.INFO)
+        config = PoolConfig.model_validate_json(config_json)
+        assert config.ssd is not None, "launcher starts SSD actors only with an ssd section"
+        self._tier = SsdBackend(config.ssd, rank)
+        self._store = RankStore(self._tier, rank)
+
+    async def probe(self) -> dict[str, Any]:
+        return {"rank": self._store.rank, "pid": os.getpid(), "probe_hash": probe_hash()}
+
+    async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        return await self._store.put(batch, overwrite=overwrite)
+
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        return await self._store.get(batch)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self._store.exists(keys)
+
+    async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
+        return await self._store.remove(keys, force=force)
+
+    async def release_region(self, region_id: str) -> None:
+        await self._store.release_region(region_id)
+
+    async def snapshot(self) -> dict[str, Any]:
+        s = self._tier.stats
+        usage = self._tier.usage()
+        return {
+            **self._store.snapshot(),
+            "tier": {
+                "ssd_blocks": usage["blocks"],
+                "ssd_used_bytes": usage["used_bytes"],
+                "ssd_evictions": s.evictions,
+                "ssd_corrupt": s.corrupt,
+            },
+        }
+
+    async def close(self) -> None:
+        await self._store.close()

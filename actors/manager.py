@@ -52,7 +52,10 @@ class PoolManagerActor:
             address = config.mooncake.master_server_address
             if address is None:
                 log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
-                self._server = MooncakeMaster(config.master, log_dir)
+                master = config.master
+                if config.mooncake.enable_ssd_offload and not master.enable_offload:
+                    master = master.model_copy(update={"enable_offload": True})
+                self._server = MooncakeMaster(master, log_dir)
                 address = self._server.start()
         self._address = address
         self._started_at = time.time()

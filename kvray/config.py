@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,6 +105,68 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+_OFFLOAD_ENV = {
+    "local_buffer_size_bytes": "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES",
+    "bucket_max_total_size": "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE",
+    "bucket_eviction_policy": "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY",
+    "total_size_limit_bytes": "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
+    "bucket_keys_limit": "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT",
+    "storage_backend_descriptor": "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR",
+    "heartbeat_interval_seconds": "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS",
+}
+
+
+class MooncakeOffloadConfig(_Strict):
+    """Mooncake's native SSD offload knobs, which Mooncake reads from the environment of
+    each client process (kvray passes them to the BackendClient actors). Mooncake reads
+    byte counts as plain integers and silently falls back to its defaults for anything
+    else, so kvray refuses ``"10G"`` and friends instead."""
+
+    local_buffer_size_bytes: int | None = Field(None, gt=0)
+    """``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES``: per-rank SSD I/O buffer (default 1.25 GB)."""
+    bucket_max_total_size: int | None = Field(None, ge=0)
+    """``MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE``: eviction threshold (0: 90 % of the disk)."""
+    bucket_eviction_policy: Literal["none", "fifo", "lru"] | None = None
+    """``MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY`` (Mooncake reads any other word as none)."""
+    total_size_limit_bytes: int | None = Field(None, gt=0)
+    """``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES``: per-rank disk quota (default 2 TB:
+    always set it; larger than the disk under ssd_offload_path is refused)."""
+    bucket_keys_limit: int | None = Field(None, gt=0)
+    """``MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT``: keys per bucket file (default 500)."""
+    storage_backend_descriptor: (
+        Literal["bucket_storage_backend", "file_per_key_storage_backend"] | None
+    ) = None
+    """``MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR``."""
+    heartbeat_interval_seconds: int | None = Field(None, gt=0)
+    """``MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS`` (default 10)."""
+
+    def env(self) -> dict[str, str]:
+        return {
+            var: str(getattr(self, f))
+            for f, var in _OFFLOAD_ENV.items()
+            if getattr(self, f) is not None
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> MooncakeOffloadConfig:
+        data: dict[str, Any] = {}
+        for f, var in _OFFLOAD_ENV.items():
+            if var not in env:
+                continue
+            value = env[var].strip()
+            if f in ("bucket_eviction_policy", "storage_backend_descriptor"):
+                data[f] = value
+            elif not value.isdigit():
+                raise ConfigError(
+                    f"{var} must be a plain number of bytes (digits only), got {value!r}: "
+                    "Mooncake ignores other spellings such as '10G' and silently uses its "
+                    f"default (write e.g. {10 * GiB} for 10 GiB)"
+                )
+            else:
+                data[f] = int(value)
+        return validate(cls, data, source="MOONCAKE_OFFLOAD_* environment")
+
+
 class MooncakeConfig(_Strict):
     """The Mooncake client, as ``mooncake.json`` describes it."""
 
@@ -129,6 +192,13 @@ class MooncakeConfig(_Strict):
     """Address this client advertises to peers (the node's address on a real cluster)."""
     fabric_mem: bool = False
     """``ASCEND_ENABLE_USE_FABRIC_MEM=1``: segments must be multiples of 1 GiB."""
+    enable_ssd_offload: bool = False
+    """Mooncake's native SSD offload (the master then runs with ``--enable_offload``)."""
+    ssd_offload_path: str | None = None
+    """Where each client writes offloaded objects: absolute, existing, writable, no
+    symlinks or ``..`` (checked where the config is loaded and in each actor)."""
+    offload: MooncakeOffloadConfig = Field(default_factory=MooncakeOffloadConfig)
+    """``MOONCAKE_OFFLOAD_*`` environment knobs, validated."""
 
     @field_validator("global_segment_size")
     @classmethod
@@ -147,6 +217,26 @@ class MooncakeConfig(_Strict):
         if v != 0 and v < 1024:
             raise ValueError("must be 0 or at least 1KB")
         return v
+
+    @model_validator(mode="after")
+    def _offload(self) -> MooncakeConfig:
+        if not self.enable_ssd_offload:
+            return self
+        if self.ssd_offload_path is None:
+            raise ValueError("enable_ssd_offload needs ssd_offload_path (a directory on the SSD)")
+        from kvray.paths import check_dir
+
+        try:
+            root = check_dir(self.ssd_offload_path, field="ssd_offload_path")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        limit = self.offload.total_size_limit_bytes
+        if limit is not None and limit > shutil.disk_usage(root).total:
+            raise ValueError(
+                f"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES={limit} is larger than the disk "
+                f"under {root} ({shutil.disk_usage(root).total} bytes): lower it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fabric_alignment(self) -> MooncakeConfig:
@@ -178,6 +268,9 @@ class MooncakeConfig(_Strict):
                 data[fld] = env[var]
         if env.get("ASCEND_ENABLE_USE_FABRIC_MEM") == "1":
             data["fabric_mem"] = True
+        offload = MooncakeOffloadConfig.from_env(env)
+        if offload.env():
+            data["offload"] = offload
         return validate(cls, data, source=f"mooncake config ({source})")
 
 
@@ -192,6 +285,9 @@ class MooncakeMasterConfig(_Strict):
     """Read lease granted by get/exists: the pin that keeps a lookup hit loadable."""
     client_ttl_s: int = Field(10, ge=1)
     """Seconds a silent client's segment stays mounted before the master drops it."""
+    enable_offload: bool = False
+    """``--enable_offload``: let clients offload to SSD (set for you when
+    ``mooncake.enable_ssd_offload`` is on)."""
     extra_args: tuple[str, ...] = ()
     """Further ``--flag=value`` arguments passed through verbatim."""
 

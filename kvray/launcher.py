@@ -107,7 +107,7 @@ def _options(config: PoolConfig, name: str, **kw: Any) -> dict[str, Any]:
         "namespace": config.namespace,
         "get_if_exists": True,
         "lifetime": "detached" if config.detached else None,
-        "runtime_env": {"env_vars": dict(_ACTOR_ENV)},
+        "runtime_env": {"env_vars": {**_ACTOR_ENV, **config.mooncake.offload.env()}},
         **kw,
     }
 

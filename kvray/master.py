@@ -90,6 +90,7 @@ class MooncakeMaster:
             f"--eviction_ratio={c.eviction_ratio}",
             f"--default_kv_lease_ttl={c.default_kv_lease_ttl_ms}",
             f"--client_ttl={c.client_ttl_s}",
+            *(["--enable_offload=true"] if c.enable_offload else []),
             *c.extra_args,
         ]
 

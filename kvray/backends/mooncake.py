@@ -133,6 +133,9 @@ class MooncakeBackend(Backend):
             config.protocol,
             config.device_name,
             master_address,
+            None,
+            bool(config.enable_ssd_offload and contribute_memory),
+            (config.ssd_offload_path or "") if contribute_memory else "",
         )
         if rc != 0:
             raise BackendUnavailableError(
@@ -276,6 +279,9 @@ class MooncakeBackend(Backend):
             "segment_bytes": self._segment_bytes,
             "master": self._address,
             "protocol": self._config.protocol,
+            "ssd_offload_path": self._config.ssd_offload_path
+            if self._config.enable_ssd_offload
+            else None,
         }
 
     async def close(self) -> None:

@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.config import SsdConfig
 from kvray.errors import BackendUnavailableError, ConfigError
+from kvray.paths import check_dir
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +95,7 @@ def _crc(views: Sequence[memoryview]) -> int:
 
 
 def check_ssd_path(path: str, *, field: str = "ssd.path") -> Path:
-    """Absolute, existing, writable, no ``..``, no symlink on the way: else a clear error."""
-    p = Path(path)
-    if not p.is_absolute() or ".." in p.parts:
-        raise ConfigError(f"{field}: must be an absolute path without '..', got {path!r}")
-    if not p.is_dir():
-        raise ConfigError(f"{field}: {path!r} does not exist or is not a directory: create it")
-    if any(Path(*p.parts[: i + 1]).is_symlink() for i in range(1, len(p.parts))):
-        raise ConfigError(f"{field}: {path!r} goes through a symlink: give the real path")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{field}: {path!r} is not writable by this process")
-    return p
+    return check_dir(path, field=field)
 
 
 class SsdBackend(Backend):
@@ -212,8 +203,10 @@ class SsdBackend(Backend):
         return os.open(path, flags, 0o644)
 
     def _aligned(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
-        return self._direct_ok and self._config.direct_io and all(
-            p % ALIGN == 0 and n % ALIGN == 0 for p, n in zip(ptrs, sizes, strict=True)
+        return (
+            self._direct_ok
+            and self._config.direct_io
+            and all(p % ALIGN == 0 and n % ALIGN == 0 for p, n in zip(ptrs, sizes, strict=True))
         )
 
     def _write_one(

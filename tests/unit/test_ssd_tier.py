@@ -162,3 +162,51 @@ def test_lru_order_survives_restart(tmp_path):
     run(t.close())
     again = tier(tmp_path, eviction="lru")
     assert list(again._index) == ["b", "c", "a"]
+
+
+# ---- Mooncake's native offload: configuration ------------------------------------------
+
+
+def test_offload_env_takes_byte_literals_only(tmp_path):
+    from kvray.config import MooncakeConfig
+
+    base = {"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": "10G"}
+    with pytest.raises(ConfigError, match="TOTAL_SIZE_LIMIT_BYTES must be a plain number"):
+        MooncakeConfig.from_env(base)
+    with pytest.raises(ConfigError, match="bucket_eviction_policy: Input should be 'none'"):
+        MooncakeConfig.from_env({"MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "random"})
+    cfg = MooncakeConfig.from_env(
+        {"MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": "1342177280",
+         "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru"}
+    )  # fmt: skip
+    assert cfg.offload.env() == {
+        "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": "1342177280",
+        "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru",
+    }
+
+
+def test_offload_path_and_quota_checks(tmp_path):
+    from kvray.config import MooncakeConfig, MooncakeMasterConfig, PoolConfig
+
+    def load(**kw):
+        return MooncakeConfig.model_validate({"protocol": "tcp", "enable_ssd_offload": True, **kw})
+
+    with pytest.raises(ValueError, match="needs ssd_offload_path"):
+        load()
+    with pytest.raises(ValueError, match="absolute path without '..'"):
+        load(ssd_offload_path=str(tmp_path) + "/../x")
+    with pytest.raises(ValueError, match="does not exist"):
+        load(ssd_offload_path=str(tmp_path / "nope"))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match="symlink"):
+        load(ssd_offload_path=str(tmp_path / "link"))
+    with pytest.raises(ValueError, match="larger than the disk"):
+        load(ssd_offload_path=str(tmp_path), offload={"total_size_limit_bytes": 1 << 60})
+    assert load(ssd_offload_path=str(tmp_path)).enable_ssd_offload
+    from kvray.master import MooncakeMaster
+
+    cmd = MooncakeMaster(MooncakeMasterConfig(enable_offload=True), tmp_path).command()
+    assert "--enable_offload=true" in cmd
+    with pytest.raises(ConfigError, match="needs an ssd section"):
+        PoolConfig.from_dict({"pipeline": "mooncake|ssd"}, environ={})

@@ -37,6 +37,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from typing_extensions import Self
 
 from kvray.errors import ConfigError
 from kvray.sizes import parse_size
@@ -450,6 +451,18 @@ def detect_mmc_protocol(dev_root: Path = Path("/dev")) -> MmcProtocol:
     return "device_rdma" if any(dev_root.glob("davinci[0-9]*")) else "host_tcp"
 
 
+def _typed_items(keys: Mapping[str, str], items: Mapping[str, str]) -> dict[str, Any]:
+    """Conf items -> model data: typed keys to their fields, the rest under ``extra``."""
+    reverse = {key: f for f, key in keys.items()}
+    data: dict[str, Any] = {"extra": {}}
+    for key, value in items.items():
+        if key in reverse:
+            data[reverse[key]] = value
+        else:
+            data["extra"][key] = value
+    return data
+
+
 def _known_extra(v: dict[str, str], typed: dict[str, str]) -> dict[str, str]:
     from kvray.mmc_conf import KNOWN_KEYS
 
@@ -462,7 +475,42 @@ def _known_extra(v: dict[str, str], typed: dict[str, str]) -> dict[str, str]:
     return v
 
 
-class MemcacheConfig(_Strict):
+class _MmcConf(_Strict):
+    """A MemCache ``key = value`` file as a model: typed keys map to fields (``_KEYS``),
+    every other known key rides in ``extra``."""
+
+    _KEYS: ClassVar[dict[str, str]] = {}
+    _ENV: ClassVar[str] = ""
+    extra: dict[str, str] = Field(default_factory=dict)
+    """Other ``ock.mmc.*`` keys of the file, passed through."""
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: dict[str, str]) -> dict[str, str]:
+        return _known_extra(v, cls._KEYS)
+
+    def to_conf(self) -> dict[str, str]:
+        """The file's items (sizes as bytes, which MemCache accepts)."""
+        out = {key: str(getattr(self, f)) for f, key in self._KEYS.items()}
+        return {k: v for k, v in out.items() if v != "None"} | self.extra
+
+    @classmethod
+    def from_conf(cls, items: Mapping[str, str], *, source: str) -> Self:
+        return validate(cls, _typed_items(cls._KEYS, items), source=source)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """The file the environment variable names; unset: the defaults."""
+        from kvray.mmc_conf import read_conf
+
+        env = os.environ if environ is None else environ
+        path = env.get(cls._ENV)
+        if path is None:
+            return cls()
+        return cls.from_conf(read_conf(path, cls._ENV), source=path)
+
+
+class MemcacheConfig(_MmcConf):
     """The MemCache client of each rank, as ``mmc-local.conf`` describes it
     (``MMC_LOCAL_CONFIG_PATH``; :meth:`from_env`)."""
 
@@ -488,9 +536,7 @@ class MemcacheConfig(_Strict):
     NPU memory (``direct`` 0 put / 1 get)."""
     lease_ttl_ms: int = Field(5000, ge=0, le=3_600_000)
     """Lease the lookup client puts on the hits it finds (pins them until loaded)."""
-    extra: dict[str, str] = Field(default_factory=dict)
-    """Other ``ock.mmc.*`` keys of ``mmc-local.conf``, passed through."""
-
+    _ENV: ClassVar[str] = "MMC_LOCAL_CONFIG_PATH"
     _KEYS: ClassVar[dict[str, str]] = {
         "meta_service_url": "ock.mmc.meta_service_url",
         "config_store_url": "ock.mmc.local_service.config_store_url",
@@ -500,11 +546,6 @@ class MemcacheConfig(_Strict):
         "hbm_size": "ock.mmc.local_service.hbm.size",
         "log_level": "ock.mmc.log_level",
     }
-
-    @field_validator("extra")
-    @classmethod
-    def _extra(cls, v: dict[str, str]) -> dict[str, str]:
-        return _known_extra(v, cls._KEYS)
 
     @field_validator("dram_size", "hbm_size")
     @classmethod
@@ -524,36 +565,8 @@ class MemcacheConfig(_Strict):
             )
         return self
 
-    def to_conf(self) -> dict[str, str]:
-        """The ``mmc-local.conf`` items (sizes as bytes, which MemCache accepts)."""
-        out = {key: str(getattr(self, f)) for f, key in self._KEYS.items()}
-        return {k: v for k, v in out.items() if v != "None"} | self.extra
 
-    @classmethod
-    def from_conf(cls, items: Mapping[str, str], *, source: str) -> MemcacheConfig:
-        reverse = {key: f for f, key in cls._KEYS.items()}
-        data: dict[str, Any] = {"extra": {}}
-        for key, value in items.items():
-            if key in reverse:
-                data[reverse[key]] = value
-            else:
-                data["extra"][key] = value
-        return validate(cls, data, source=source)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> MemcacheConfig:
-        """``mmc-local.conf`` from ``MMC_LOCAL_CONFIG_PATH``; unset: the defaults
-        (an embedded MetaService)."""
-        from kvray.mmc_conf import read_conf
-
-        env = os.environ if environ is None else environ
-        path = env.get("MMC_LOCAL_CONFIG_PATH")
-        if path is None:
-            return cls()
-        return cls.from_conf(read_conf(path, "MMC_LOCAL_CONFIG_PATH"), source=path)
-
-
-class MemcacheMetaConfig(_Strict):
+class MemcacheMetaConfig(_MmcConf):
     """The MemCache MetaService kvray runs itself (``mmc-meta.conf``; read from
     ``MMC_META_CONFIG_PATH`` when set). Unset URLs get free loopback ports."""
 
@@ -574,9 +587,7 @@ class MemcacheMetaConfig(_Strict):
     """``ock.mmc.meta.lease_ttl_ms``."""
     ready_timeout_s: float = Field(30.0, gt=0)
     """How long the MetaService may take to answer ``/health``."""
-    extra: dict[str, str] = Field(default_factory=dict)
-    """Other ``ock.mmc.*`` keys of ``mmc-meta.conf``, passed through."""
-
+    _ENV: ClassVar[str] = "MMC_META_CONFIG_PATH"
     _KEYS: ClassVar[dict[str, str]] = {
         "meta_service_url": "ock.mmc.meta_service_url",
         "config_store_url": "ock.mmc.meta_service.config_store_url",
@@ -587,11 +598,6 @@ class MemcacheMetaConfig(_Strict):
         "lease_ttl_ms": "ock.mmc.meta.lease_ttl_ms",
     }
 
-    @field_validator("extra")
-    @classmethod
-    def _extra(cls, v: dict[str, str]) -> dict[str, str]:
-        return _known_extra(v, cls._KEYS)
-
     @model_validator(mode="after")
     def _thresholds(self) -> MemcacheMetaConfig:
         if self.evict_threshold_low >= self.evict_threshold_high:
@@ -600,28 +606,6 @@ class MemcacheMetaConfig(_Strict):
                 f"evict_threshold_high ({self.evict_threshold_high})"
             )
         return self
-
-    def to_conf(self) -> dict[str, str]:
-        out = {key: str(getattr(self, f)) for f, key in self._KEYS.items()}
-        return {k: v for k, v in out.items() if v != "None"} | self.extra
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> MemcacheMetaConfig:
-        from kvray.mmc_conf import read_conf
-
-        env = os.environ if environ is None else environ
-        path = env.get("MMC_META_CONFIG_PATH")
-        if path is None:
-            return cls()
-        items = read_conf(path, "MMC_META_CONFIG_PATH")
-        reverse = {key: f for f, key in cls._KEYS.items()}
-        data: dict[str, Any] = {"extra": {}}
-        for key, value in items.items():
-            if key in reverse:
-                data[reverse[key]] = value
-            else:
-                data["extra"][key] = value
-        return validate(cls, data, source=path)
 
 
 class SsdConfig(_Strict):

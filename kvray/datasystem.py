@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvray.config import DatasystemWorkerConfig
 from kvray.errors import BackendUnavailableError, ConfigError
-from kvray.master import die_with_parent, free_port
+from kvray.master import die_with_parent, free_port, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -212,15 +212,7 @@ class DatasystemWorker:
 
     def _terminate(self, timeout_s: float = 15.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("datasystem worker pid %d ignored SIGTERM; killing it", proc.pid)
-            proc.kill()
-            proc.wait()
+        terminate(proc, "datasystem worker", timeout_s)
 
     def _remove_home(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)

@@ -160,53 +160,29 @@ def launch(config: PoolConfig) -> PoolHandles:
         rank_address = [_rank_address(config, rank, address) for rank in range(config.world_size)]
         per_actor_cpu = config.cpus_per_rank / (3 if config.ssd_tier else 2)
         backends, lookups, ssds = [], [], []
+
+        def rank_actor(cls: type, name: str, rank: int, concurrency: int, *args: Any) -> Any:
+            """A restartable per-rank actor in the rank's placement-group bundle."""
+            opts = _options(
+                config,
+                name,
+                num_cpus=per_actor_cpu,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+                max_restarts=-1,
+                max_task_retries=3,
+                max_concurrency=concurrency,
+            )
+            return ray.remote(cls).options(**opts).remote(actor_config_json, rank, *args)
+
         for rank in range(config.world_size):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             if config.ssd_tier:
-                ssds.append(
-                    ray.remote(SsdOffloadActor)
-                    .options(
-                        **_options(
-                            config,
-                            ssd_name(config.name, rank),
-                            num_cpus=per_actor_cpu,
-                            scheduling_strategy=strategy,
-                            max_restarts=-1,
-                            max_task_retries=3,
-                            max_concurrency=32,
-                        )
-                    )
-                    .remote(actor_config_json, rank)
-                )
+                ssds.append(rank_actor(SsdOffloadActor, ssd_name(config.name, rank), rank, 32))
+            address_r = rank_address[rank]
             backends.append(
-                ray.remote(BackendClientActor)
-                .options(
-                    **_options(
-                        config,
-                        backend_name(config.name, rank),
-                        num_cpus=per_actor_cpu,
-                        scheduling_strategy=strategy,
-                        max_restarts=-1,
-                        max_task_retries=3,
-                        max_concurrency=32,
-                    )
-                )
-                .remote(actor_config_json, rank, rank_address[rank])
+                rank_actor(BackendClientActor, backend_name(config.name, rank), rank, 32, address_r)
             )
             lookups.append(
-                ray.remote(LookupActor)
-                .options(
-                    **_options(
-                        config,
-                        lookup_name(config.name, rank),
-                        num_cpus=per_actor_cpu,
-                        scheduling_strategy=strategy,
-                        max_restarts=-1,
-                        max_task_retries=3,
-                        max_concurrency=64,
-                    )
-                )
-                .remote(actor_config_json, rank, rank_address[rank])
+                rank_actor(LookupActor, lookup_name(config.name, rank), rank, 64, address_r)
             )
         created += backends + lookups + ssds
         probes = _check_started(backends + lookups + ssds)

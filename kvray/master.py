@@ -39,6 +39,27 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def terminate(proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float) -> None:
+    """SIGTERM a child we started, wait, and SIGKILL it if it ignores that."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("%s pid %d ignored SIGTERM; killing it", what, proc.pid)
+        proc.kill()
+        proc.wait()
+
+
+def check_reachable(host: str, port: int, timeout_s: float, error: str) -> None:
+    """Connect once; on failure raise BackendUnavailableError(``error``: reason)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise BackendUnavailableError(error.format(reason=exc.strerror or exc)) from exc
+
+
 def find_master_binary() -> str:
     """``mooncake_master`` next to the running interpreter (a venv), else on PATH."""
     candidate = Path(sys.executable).parent / "mooncake_master"
@@ -135,15 +156,7 @@ class MooncakeMaster:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("mooncake_master pid %d ignored SIGTERM; killing it", proc.pid)
-            proc.kill()
-            proc.wait()
+        terminate(proc, "mooncake_master", timeout_s)
 
     def _log_tail(self, lines: int = 20) -> str:
         try:

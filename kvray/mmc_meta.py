@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvray.config import MemcacheMetaConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
-from kvray.master import die_with_parent, free_port
+from kvray.master import die_with_parent, free_port, terminate
 from kvray.mmc_conf import render_conf
 
 logger = logging.getLogger(__name__)
@@ -168,16 +168,9 @@ class MetaService:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            # SIGTERM takes 3.5-5.5 s here; clients should be closed first (a request sent
-            # during the shutdown waits 60 s in the client).
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("MetaService pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+        # SIGTERM takes 3.5-5.5 s here; clients should be closed first (a request sent
+        # during the shutdown waits 60 s in the client).
+        terminate(proc, "MemCache MetaService", timeout_s)
         (PTRACER_DIR / f"ptracer_{proc.pid}.dat").unlink(missing_ok=True)
 
     def stop(self, timeout_s: float = 15.0) -> None:

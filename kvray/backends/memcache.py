@@ -24,7 +24,6 @@ import contextlib
 import functools
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
+from kvray.master import check_reachable
 from kvray.mmc_conf import render_conf
 
 logger = logging.getLogger(__name__)
@@ -123,14 +123,14 @@ def check_meta_reachable(url: str, timeout_s: float = 2.0) -> None:
     """Fail in seconds and clearly (MemCache's own init waits a fixed 5 s, then leaves
     the process's client unusable until it is reset)."""
     host, port = parse_host_port(url.split("://", 1)[-1], field="memcache.meta_service_url")
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise BackendUnavailableError(
-            f"cannot reach the MemCache MetaService at {url} (memcache.meta_service_url, "
-            f"ock.mmc.meta_service_url in MMC_LOCAL_CONFIG_PATH): {exc.strerror or exc}. "
-            "Start it, fix the url, or leave it unset so kvray runs one."
-        ) from exc
+    check_reachable(
+        host,
+        port,
+        timeout_s,
+        f"cannot reach the MemCache MetaService at {url} (memcache.meta_service_url, "
+        "ock.mmc.meta_service_url in MMC_LOCAL_CONFIG_PATH): {reason}. Start it, fix the "
+        "url, or leave it unset so kvray runs one.",
+    )
 
 
 class MemcacheBackend(Backend):

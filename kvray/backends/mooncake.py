@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
+from kvray.master import check_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ def _total(sizes: Pieces) -> int:
 def check_master_reachable(address: str, timeout_s: float = 2.0) -> None:
     """Fail in ``timeout_s`` with a clear message, instead of Mooncake's ~90 s of retries."""
     host, port = parse_host_port(address, field="mooncake.master_server_address")
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise BackendUnavailableError(
-            f"cannot reach mooncake_master at {address} (mooncake.master_server_address or "
-            f"MOONCAKE_MASTER): {exc.strerror or exc}. Start the master, fix the address, or "
-            "leave it unset so kvray runs one itself."
-        ) from exc
+    check_reachable(
+        host,
+        port,
+        timeout_s,
+        f"cannot reach mooncake_master at {address} (mooncake.master_server_address or "
+        "MOONCAKE_MASTER): {reason}. Start the master, fix the address, or leave it unset so "
+        "kvray runs one itself.",
+    )
 
 
 class MooncakeBackend(Backend):

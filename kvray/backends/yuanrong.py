@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import YuanrongConfig, parse_host_port
 from kvray.errors import BackendError, BackendUnavailableError
+from kvray.master import check_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,14 @@ def classify(exc: BaseException) -> KeyStatus | None:
 def check_worker_reachable(address: str, timeout_s: float) -> tuple[str, int]:
     """Fail fast and clearly when nothing listens at the worker address."""
     host, port = parse_host_port(address, field="yuanrong.worker_address")
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise BackendUnavailableError(
-            f"cannot reach the datasystem worker at {address} (yuanrong.worker_address or "
-            f"DS_WORKER_ADDR): {exc.strerror or exc}. Start it (dscli start ... "
-            "--worker_address ADDR), fix the address, or leave it unset so kvray runs one."
-        ) from exc
+    check_reachable(
+        host,
+        port,
+        timeout_s,
+        f"cannot reach the datasystem worker at {address} (yuanrong.worker_address or "
+        "DS_WORKER_ADDR): {reason}. Start it (dscli start ... --worker_address ADDR), fix "
+        "the address, or leave it unset so kvray runs one.",
+    )
     return host, port
 
 

@@ -70,6 +70,17 @@ def _size(value: Any) -> Any:
 ByteSize = Annotated[int, BeforeValidator(_size), Field(ge=0)]
 
 
+def _flags(value: Any) -> Any:
+    for arg in value if isinstance(value, list | tuple) else ():
+        if not isinstance(arg, str) or not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"each extra arg must look like '--flag=value', got {arg!r}")
+    return value
+
+
+ExtraArgs = Annotated[tuple[str, ...], BeforeValidator(_flags)]
+"""Command-line flags passed through verbatim to a server kvray runs."""
+
+
 def parse_host_port(value: str, *, field: str) -> tuple[str, int]:
     """Split ``host:port``; raise ``ValueError`` naming ``field`` if malformed."""
     host, sep, port_s = value.rpartition(":")
@@ -289,16 +300,8 @@ class MooncakeMasterConfig(_Strict):
     enable_offload: bool = False
     """``--enable_offload``: let clients offload to SSD (set for you when
     ``mooncake.enable_ssd_offload`` is on)."""
-    extra_args: tuple[str, ...] = ()
+    extra_args: ExtraArgs = ()
     """Further ``--flag=value`` arguments passed through verbatim."""
-
-    @field_validator("extra_args")
-    @classmethod
-    def _flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in v:
-            if not arg.startswith("--") or "=" not in arg:
-                raise ValueError(f"each extra arg must look like '--flag=value', got {arg!r}")
-        return v
 
 
 def _env_flag(env: Mapping[str, str], var: str) -> bool | None:
@@ -396,7 +399,7 @@ class DatasystemWorkerConfig(_Strict):
     """Parent of the per-pool worker directory (default: the system temp directory)."""
     ready_timeout_s: float = Field(60.0, gt=0)
     """How long the worker may take to become ready (~6 s on an idle 2-core machine)."""
-    extra_args: tuple[str, ...] = ()
+    extra_args: ExtraArgs = ()
     """Further ``--flag=value`` worker flags passed through verbatim."""
 
     @field_validator("shared_memory_size")
@@ -404,14 +407,6 @@ class DatasystemWorkerConfig(_Strict):
     def _shm_min(cls, v: int) -> int:
         if v < 64 * MiB:
             raise ValueError(f"must be at least 64MB, got {v} bytes")
-        return v
-
-    @field_validator("extra_args")
-    @classmethod
-    def _flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in v:
-            if not arg.startswith("--") or "=" not in arg:
-                raise ValueError(f"each extra arg must look like '--flag=value', got {arg!r}")
         return v
 
 

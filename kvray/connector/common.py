@@ -30,6 +30,9 @@ class InstanceInfo:
     block_size: int
     kv_role: str
     load_failure_policy: str
+    split_stages: bool = False
+    """Blocks are split by the prefill's PP layer partition (this instance has no PP,
+    ``prefill_pp_size`` > 1): one key per prefill stage."""
 
     @property
     def can_load(self) -> bool:
@@ -81,13 +84,15 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     model = vllm_config.model_config.model.rstrip("/")
     namespace = cfg.model_namespace or os.path.basename(model) or model
     parallel = vllm_config.parallel_config
-    space = KeySpace(
-        namespace, layout, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    )
+    # A non-PP instance (a decode node) storing for a PP prefill keys each block's layers
+    # by the prefill stage that owns them, so each prefill stage finds its part.
+    split = parallel.pipeline_parallel_size == 1 and cfg.prefill_pp_size > 1
+    pp_size = cfg.prefill_pp_size if split else parallel.pipeline_parallel_size
+    space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size)
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
     policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
-    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), policy)
+    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), policy, split)
 
 
 def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:

@@ -20,6 +20,7 @@ import ray
 from kvray.backends.base import KeyStatus
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.metadata import BlockOp, KVRayMetadata
+from kvray.connector.pp import split_by_stage, stage_ranges
 from kvray.connector.shm_kv import SharedKVAllocator
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.errors import ConfigError
@@ -55,10 +56,13 @@ class KVRayWorker:
         self._block_bytes = 0
         self._num_layers = 0
         self._meta: KVRayMetadata | None = None
-        self._save_refs: dict[Any, tuple[list[str], int]] = {}
+        self._save_refs: dict[Any, tuple[list[str], int, bool, int]] = {}
         self._saves_of: dict[str, set[Any]] = defaultdict(set)
         self._finishing: set[str] = set()
-        self._async_loads: dict[Any, tuple[list[BlockOp], int]] = {}
+        self._async_loads: dict[tuple[Any, ...], tuple[list[BlockOp], int]] = {}
+        self._tp_rank = 0
+        self._stages: list[tuple[int, int]] = []
+        """Layer ranges per prefill PP stage when blocks are split (else empty)."""
         self._load_errors: set[int] = set()
         self.stats = KVRayConnectorStats()
 
@@ -70,6 +74,7 @@ class KVRayWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank, pp_rank = _rank()
+        self._tp_rank = tp_rank
         self.rank = pp_rank * self.info.space.tp_size + tp_rank
         self._actor = self._handles.backends[self.rank]
         ray.get(self._actor.probe.remote(), timeout=60)  # connect now, not on the first load
@@ -97,6 +102,10 @@ class KVRayWorker:
             assert t[0].is_contiguous(), "KVRayConnector: a KV block is not contiguous"
         self._layer_offsets = np.array([t.data_ptr() - base for t in layers], dtype=np.int64)
         self._num_layers = len(layers)
+        if self.info.split_stages:
+            parts = self.info.config.layer_partition(len(layers))  # checks the sum
+            self._stages = stage_ranges(parts)
+            logger.info("KVRayConnector: blocks split by prefill PP partition %s", parts)
         self._region_spec = region.spec
         logger.info(
             "KVRayConnector worker rank %d: %d layers, %d bytes per block and layer, region %s",
@@ -106,14 +115,30 @@ class KVRayWorker:
             region.spec.region_id,
         )
 
-    def _batch(self, ops: list[BlockOp]) -> TransferBatch:
+    def _batches(self, ops: list[BlockOp]) -> list[TransferBatch]:
+        """One batch, or one per prefill PP stage when blocks are split."""
         assert self._layer_offsets is not None, "KVRayWorker used before register_kv_caches"
         hashes = [h for op in ops for h in op.block_hashes]
         block_ids = np.array([b for op in ops for b in op.block_ids], dtype=np.int64)
         offsets = self._layer_offsets[None, :] + block_ids[:, None] * self._block_stride
         lengths = np.full(offsets.shape, self._block_bytes, dtype=np.int64)
-        keys = tuple(self.info.space.rank_key_strs(hashes, self.rank))
-        return TransferBatch(self._region_spec, keys, offsets, lengths)
+        if not self._stages:
+            keys = tuple(self.info.space.rank_key_strs(hashes, self.rank))
+            return [TransferBatch(self._region_spec, keys, offsets, lengths)]
+        parts = split_by_stage(
+            self.info.space, self._tp_rank, hashes, offsets, lengths, self._stages
+        )
+        return [TransferBatch(self._region_spec, k, o, n) for k, o, n in parts]
+
+    @staticmethod
+    def _all_ok(per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
+        """A block loaded only if every stage of it did."""
+        return [
+            KeyStatus.OK
+            if all(s is KeyStatus.OK for s in col)
+            else next(s for s in col if s is not KeyStatus.OK)
+            for col in zip(*per_batch, strict=True)
+        ]
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -132,16 +157,19 @@ class KVRayWorker:
         if meta is None:
             return
         if meta.loads:
-            batch = self._batch(meta.loads)
+            batches = self._batches(meta.loads)
+            n = len(batches[0])
             try:
-                statuses = ray.get(self._actor.get.remote(batch), timeout=self._call_timeout_s)
+                refs = [self._actor.get.remote(b) for b in batches]
+                statuses = self._all_ok(ray.get(refs, timeout=self._call_timeout_s))
             except (ray.exceptions.RayError, TimeoutError) as exc:
-                logger.warning("rank %d: load of %d blocks failed: %s", self.rank, len(batch), exc)
-                statuses = [KeyStatus.ERROR] * len(batch)
+                logger.warning("rank %d: load of %d blocks failed: %s", self.rank, n, exc)
+                statuses = [KeyStatus.ERROR] * n
             self._account_loads(meta.loads, statuses)
         if meta.async_loads:
-            batch = self._batch(meta.async_loads)
-            self._async_loads[self._actor.get.remote(batch)] = (meta.async_loads, len(batch))
+            batches = self._batches(meta.async_loads)
+            group = tuple(self._actor.get.remote(b) for b in batches)
+            self._async_loads[group] = (meta.async_loads, len(batches[0]))
 
     def _account_loads(self, ops: list[BlockOp], statuses: list[KeyStatus]) -> None:
         block_ids = [b for op in ops for b in op.block_ids]
@@ -164,12 +192,13 @@ class KVRayWorker:
         meta = self._meta
         if meta is None or not meta.saves:
             return
-        batch = self._batch(meta.saves)
-        ref = self._actor.put.remote(batch)
         rids = [op.req_id for op in meta.saves]
-        self._save_refs[ref] = (rids, len(batch))
-        for rid in rids:
-            self._saves_of[rid].add(ref)
+        for stage, batch in enumerate(self._batches(meta.saves)):
+            ref = self._actor.put.remote(batch)
+            # Blocks are counted once (stage 0); bytes by each stage's layers.
+            self._save_refs[ref] = (rids, len(batch), stage == 0, batch.lengths.shape[1])
+            for rid in rids:
+                self._saves_of[rid].add(ref)
 
     def _reap_saves(self, *, block: bool) -> None:
         refs = list(self._save_refs)
@@ -179,16 +208,17 @@ class KVRayWorker:
             refs, num_returns=len(refs), timeout=self._call_timeout_s if block else 0
         )
         for ref in ready:
-            rids, n = self._save_refs.pop(ref)
+            rids, n, first, layers = self._save_refs.pop(ref)
             try:
                 statuses = ray.get(ref)
                 ok = sum(s is KeyStatus.OK for s in statuses)
             except ray.exceptions.RayError as exc:
                 logger.warning("rank %d: save of %d blocks failed: %s", self.rank, n, exc)
                 ok = 0
-            self.stats.add("saved_blocks", ok)
-            self.stats.add("saved_bytes", ok * self._block_bytes * self._num_layers)
-            self.stats.add("save_failed_blocks", n - ok)
+            if first:
+                self.stats.add("saved_blocks", ok)
+                self.stats.add("save_failed_blocks", n - ok)
+            self.stats.add("saved_bytes", ok * self._block_bytes * layers)
             for rid in rids:
                 refs_of = self._saves_of.get(rid)
                 if refs_of is not None:
@@ -202,12 +232,12 @@ class KVRayWorker:
         self._finishing -= sending
         recving: set[str] = set()
         if self._async_loads:
-            refs = list(self._async_loads)
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                ops, n = self._async_loads.pop(ref)
+            refs = [r for group in self._async_loads for r in group]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for group in [g for g in self._async_loads if all(r in ready for r in g)]:
+                ops, n = self._async_loads.pop(group)
                 try:
-                    statuses = ray.get(ref)
+                    statuses = self._all_ok(ray.get(list(group)))
                 except ray.exceptions.RayError as exc:
                     logger.warning("rank %d: async load of %d blocks failed: %s", self.rank, n, exc)
                     statuses = [KeyStatus.ERROR] * n

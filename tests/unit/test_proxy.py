@@ -13,7 +13,6 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvray.proxy import Instance, Pool, Proxy, build, instances, parse_args
 
-
 STATE = web.AppKey("state", dict)
 
 

@@ -5,7 +5,8 @@ way a vLLM deployment's workers do.
 
     python tests/e2e/engine_run.py SPEC.json OUT.json
 
-SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute"},
+SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
+       "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
        "wait_saves_for": "pool name" | null, "inject_drop": false}
 
@@ -52,7 +53,9 @@ def main() -> int:
 
     kwargs: dict = {}
     conn = spec.get("connector")
-    if conn is not None:
+    if spec.get("kv_transfer_config") is not None:  # a whole config (e.g. MultiConnector)
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    elif conn is not None:
         if spec.get("inject_drop"):
             _inject_drop_after_lookup(
                 conn["extra"].get("pool_name", "kvray"), conn["extra"].get("namespace", "kvray")

@@ -198,6 +198,13 @@ def launch(config: PoolConfig) -> PoolHandles:
             ray.kill(actor, no_restart=True)
         if created:
             remove_placement_group(pg)
+        if config.backend == "memcache":
+            from kvray.backends.memcache import remove_stale_local_confs
+
+            # Killed actors leave their client conf behind (node-local cleanup); give
+            # the killed processes a moment to exit first.
+            time.sleep(1)
+            remove_stale_local_confs()
         raise
     logger.info(
         "kvray pool %r: %d rank(s), backend %s at %s (%s), ready in %.1f s",
@@ -318,4 +325,8 @@ def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
             ray.util.get_placement_group(placement_group_name(handles.config.name))
         )
     remove_leftovers(region_prefix(handles.config.name))
+    if handles.config.backend == "memcache":
+        from kvray.backends.memcache import remove_stale_local_confs
+
+        remove_stale_local_confs()
     logger.info("kvray pool %r stopped", handles.config.name)

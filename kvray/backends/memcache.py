@@ -119,6 +119,26 @@ def local_conf_path() -> str:
     return path
 
 
+def remove_stale_local_confs() -> list[str]:
+    """Unlink the per-process ``mmc-local-<pid>.conf`` files of processes that are gone
+    (actors killed without closing their client)."""
+    removed = []
+    for path in Path(tempfile.gettempdir(), "kvray").glob("mmc-local-*.conf"):
+        pid = path.stem.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 def check_meta_reachable(url: str, timeout_s: float = 2.0) -> None:
     """Fail in seconds and clearly (MemCache's own init waits a fixed 5 s, then leaves
     the process's client unusable until it is reset)."""

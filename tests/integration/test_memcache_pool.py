@@ -70,3 +70,8 @@ def test_pool_without_the_ascend_driver_is_refused_cleanly(ray_cluster):
     with pytest.raises(ValueError):
         ray.util.get_placement_group(placement_group_name(cfg.name))
     assert glob.glob("/tmp/kvray/mmc-mmcpool-*") == []
+    # no client conf of a dead actor process is left either
+
+    for path in glob.glob("/tmp/kvray/mmc-local-*.conf"):
+        pid = int(path.rsplit("-", 1)[1].removesuffix(".conf"))
+        assert psutil.pid_exists(pid), f"{path} outlived its process"

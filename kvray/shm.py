@@ -103,6 +103,17 @@ class SharedRegion:
                 os.unlink(self.spec.path)
 
 
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists (one we may not signal counts as existing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def remove_leftovers(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink regions named ``<prefix>[-<tag>]-<pid>-<n>`` whose owner process is gone."""
     removed = []
@@ -110,12 +121,7 @@ def remove_leftovers(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[str]:
         parts = path.name.rsplit("-", 2)
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             continue
-        try:
-            os.kill(int(parts[1]), 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if not process_gone(int(parts[1])):
             continue
         path.unlink(missing_ok=True)
         removed.append(path.name)

@@ -38,6 +38,7 @@ from kvray.config import MemcacheConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
 from kvray.master import check_reachable
 from kvray.mmc_conf import render_conf
+from kvray.shm import process_gone
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +126,7 @@ def remove_stale_local_confs() -> list[str]:
     removed = []
     for path in Path(tempfile.gettempdir(), "kvray").glob("mmc-local-*.conf"):
         pid = path.stem.rsplit("-", 1)[-1]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if not pid.isdigit() or not process_gone(int(pid)):
             continue
         path.unlink(missing_ok=True)
         removed.append(path.name)

@@ -242,6 +242,29 @@ class DatasystemBackend(Backend):
         present = await self._call(self._exist, enc)
         return out, [i for i, p in enumerate(present) if not p]
 
+    @abc.abstractmethod
+    def _writer(
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+    ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
+        """``(write, nbytes)``: ``write(lo, hi)`` stores keys ``lo:hi`` (encoded keys,
+        already filtered by first-write-wins) and returns their statuses."""
+
+    async def put(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+    ) -> list[KeyStatus]:
+        if not keys:
+            return []
+        enc = self._encode(keys)
+        out, todo = await self._missing_first(enc, overwrite)
+        if not todo:
+            return out
+        write, nbytes = self._writer(
+            [enc[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+        )
+        for i, status in zip(todo, await self._split(write, len(todo), nbytes), strict=True):
+            out[i] = status
+        return out
+
     async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
         # No leases here, so nothing is ever BUSY and ``force`` changes nothing.
         if not keys:
@@ -303,27 +326,14 @@ class YuanrongBackend(DatasystemBackend):
             enable_exclusive_connection=self._config.enable_exclusive_connection,
         )
 
-    async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
-    ) -> list[KeyStatus]:
-        if not keys:
-            return []
-        enc = self._encode(keys)
-        out, todo = await self._missing_first(enc, overwrite)
-        if not todo:
-            return out
-        t_keys = [enc[i] for i in todo]
-        t_ptrs = [ptrs[i] for i in todo]
-        t_sizes = [sizes[i] for i in todo]
-        nbytes = sum(sum(s) for s in t_sizes)
-
+    def _writer(
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+    ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
         def write(lo: int, hi: int) -> list[KeyStatus]:
-            totals = [sum(s) for s in t_sizes[lo:hi]]
+            totals = [sum(s) for s in sizes[lo:hi]]
             try:
-                bufs = self._native(
-                    self._client.mcreate, t_keys[lo:hi], totals, self._write_mode, 0
-                )
-                for buf, p, s in zip(bufs, t_ptrs[lo:hi], t_sizes[lo:hi], strict=True):
+                bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
+                for buf, p, s in zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True):
                     dst = np.frombuffer(buf.MutableData(), dtype=np.uint8).ctypes.data
                     for ptr, size in zip(p, s, strict=True):
                         ctypes.memmove(dst, ptr, size)
@@ -335,9 +345,7 @@ class YuanrongBackend(DatasystemBackend):
                 return [status] * (hi - lo)
             return [KeyStatus.OK] * (hi - lo)
 
-        for i, status in zip(todo, await self._split(write, len(todo), nbytes), strict=True):
-            out[i] = status
-        return out
+        return write, sum(sum(s) for s in sizes)
 
     async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
         if not keys:

@@ -12,7 +12,7 @@ failed batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvray.backends.base import KeyStatus, Pieces
@@ -59,33 +59,24 @@ class YuanrongDeviceBackend(DatasystemBackend):
             for p, s in zip(ptrs, sizes, strict=True)
         ]
 
-    async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
-    ) -> list[KeyStatus]:
-        if not keys:
-            return []
-        enc = self._encode(keys)
-        out, todo = await self._missing_first(enc, overwrite)
-        if not todo:
-            return out
+    def _writer(
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+    ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
         from yr.datasystem.kv_client import SetParam
 
         param = SetParam()
         param.write_mode = self._write_mode
-        t_keys = [enc[i] for i in todo]
-        blobs = self._blob_lists([ptrs[i] for i in todo], [sizes[i] for i in todo])
+        blobs = self._blob_lists(ptrs, sizes)
 
         def write(lo: int, hi: int) -> list[KeyStatus]:
             try:
-                self._native(self._client.mset_d2h, t_keys[lo:hi], blobs[lo:hi], param)
+                self._native(self._client.mset_d2h, keys[lo:hi], blobs[lo:hi], param)
             except RuntimeError as exc:
                 logger.warning("datasystem mset_d2h of %d key(s): %s", hi - lo, code_of(exc))
                 return [classify(exc) or KeyStatus.ERROR] * (hi - lo)
             return [KeyStatus.OK] * (hi - lo)
 
-        for i, status in zip(todo, await self._split(write, len(todo), 0), strict=True):
-            out[i] = status
-        return out
+        return write, 0  # device copies: not split by size
 
     async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
         if not keys:

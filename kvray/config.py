@@ -676,6 +676,12 @@ class ConnectorConfig(_Strict):
     """Ray cluster to join from multiprocessing-executor workers (default: ``auto``)."""
     lookup_timeout_ms: float = Field(200.0, gt=0)
     """A lookup slower than this is a miss, never a stall."""
+    pd_wait_ms: float = Field(5000.0, ge=0)
+    """PD disaggregation, decode side: how long a request whose prefill instance reported
+    N stored blocks (``kv_transfer_params``, forwarded by the proxy) waits for all N to
+    be in the pool, since the prefill's last saves may still be in flight when its
+    answer arrives. Other requests keep running meanwhile; after the wait, what the pool
+    has is loaded and the rest recomputed. 0: never wait."""
     model_namespace: str | None = Field(None, pattern=r"^[^\s@]{1,200}$")
     """First part of every block key; default: the model directory's or id's last part.
     Engines share blocks only under the same namespace (and KV layout)."""

@@ -1,11 +1,13 @@
 """A load-balancing proxy for PD-disaggregated vLLM serving over a kvray pool.
 
 Each OpenAI request (``/v1/completions``, ``/v1/chat/completions``) is first sent to a
-prefill instance (``kv_producer``) as a one-token, non-streaming request: the prefill
-computes the prompt's KV and its connector stores it (to the pool, and to the decode
-instance through a P->D connector where one runs). The original request then goes to a
-decode instance (``kv_consumer`` loading from the pool), whose answer, streamed or not,
-is passed back unchanged.
+prefill instance (``kv_producer``) as a one-token, non-streaming request marked
+``kv_transfer_params: {"do_remote_decode": true, ...}`` (vLLM's PD convention): the
+prefill computes the prompt's KV and its connectors store it (KVRayConnector to the pool;
+a P->D connector such as NIXL holds it for the decode instance). The ``kv_transfer_params``
+of the prefill's answer (where to find the KV: kvray's stored block count, NIXL's remote
+blocks) go with the original request to a decode instance (``kv_consumer``), whose
+answer, streamed or not, is passed back unchanged.
 
     python -m kvray.proxy --port 8000 \\
         --prefiller-hosts 127.0.0.1 --prefiller-ports 8100 \\
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +38,16 @@ from aiohttp import web
 logger = logging.getLogger("kvray.proxy")
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""``kv_transfer_params`` of a prefill request, as vLLM's own PD proxies send them."""
 
 
 @dataclass
@@ -186,13 +199,17 @@ class Proxy:
         if not isinstance(body, dict):
             raise web.HTTPBadRequest(text="request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        await self._prefill(request.path, body, headers)
+        params = await self._prefill(request.path, body, headers)
+        if params is not None:
+            body = {**body, "kv_transfer_params": params}
         return await self._decode(request, body, headers)
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | None:
         """One token, not streamed: enough for the prefill instance to compute and store
-        the prompt's KV."""
-        pre = {**body, "max_tokens": 1, "stream": False}
+        the prompt's KV. Returns the answer's ``kv_transfer_params`` for the decode."""
+        pre = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
         pre.pop("stream_options", None)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
@@ -205,6 +222,13 @@ class Proxy:
                     raise web.HTTPBadGateway(
                         text=f"prefill instance {inst.url} answered {r.status}: {text[:500]}"
                     )
+            try:
+                params = json.loads(text).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                raise web.HTTPBadGateway(
+                    text=f"prefill instance {inst.url} answered with no JSON object: {text[:200]}"
+                ) from None
+            return params if isinstance(params, dict) else None
         except aiohttp.ClientError as exc:
             inst.healthy = False
             raise web.HTTPBadGateway(text=f"prefill instance {inst.url} failed: {exc}") from exc
@@ -221,6 +245,8 @@ class Proxy:
             async with self.session.post(
                 f"{inst.url}{request.path}", json=body, headers=headers
             ) as r:
+                if r.status != 200:
+                    logger.warning("decode instance %s answered %d", inst.url, r.status)
                 response = web.StreamResponse(status=r.status)
                 ctype = r.headers.get("Content-Type")
                 if ctype:

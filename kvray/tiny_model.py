@@ -19,6 +19,13 @@ _CORPUS = [
 ] * 40
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A plain role-tagged template: the model is random, the template only has to exist."""
+
+
 def build_tiny_llama(
     path: str | Path,
     *,
@@ -37,7 +44,7 @@ def build_tiny_llama(
         "vocab_size": vocab_size, "hidden_size": hidden_size,
         "intermediate_size": intermediate_size, "num_layers": num_layers,
         "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-        "max_positions": max_positions, "seed": seed,
+        "max_positions": max_positions, "seed": seed, "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
     marker = path / "kvray_tiny_model.json"
     if marker.exists() and json.loads(marker.read_text()) == settings:
@@ -60,6 +67,7 @@ def build_tiny_llama(
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    fast.chat_template = CHAT_TEMPLATE  # so that /v1/chat/completions works too
     fast.save_pretrained(path)
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -29,7 +29,6 @@ class InstanceInfo:
     space: KeySpace
     block_size: int
     kv_role: str
-    load_failure_policy: str
     split_stages: bool = False
     """Blocks are split by the prefill's PP layer partition (this instance has no PP,
     ``prefill_pp_size`` > 1): one key per prefill stage."""
@@ -91,8 +90,10 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size)
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
-    policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
-    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), policy, split)
+    # kv_load_failure_policy is not ours to read: vLLM's scheduler applies the top-level
+    # config's (MultiConnector's, when kvray is one of its children) to the block ids
+    # get_block_ids_with_load_errors reports.
+    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), split)
 
 
 def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvray.connector.common import instance_info, log_through_vllm
 from kvray.connector.metadata import KVRayMetadata
-from kvray.connector.stats import KVRayConnectorStats
+from kvray.connector.stats import KVRayConnectorStats, KVRayPromMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,16 @@ class KVRayConnector(KVConnectorBase_V1):
         side = self._scheduler or self._worker
         assert side is not None
         return side.stats.take()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVRayPromMetrics:
+        return KVRayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(

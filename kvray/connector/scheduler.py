@@ -6,6 +6,14 @@ ready, and treats a lookup older than ``lookup_timeout_ms`` (or a failed one) as
 logged once and counted. A hit is pinned by the backend's read lease (Mooncake grants
 one per ``exists``) until it is loaded; a block that vanished anyway fails its load,
 which the worker reports to vLLM.
+
+PD disaggregation through the pool: a prefill instance answers a request marked
+``do_remote_decode`` (vLLM's convention; the proxy sets it) with ``kv_transfer_params``
+``{"kvray": {"pool", "space", "blocks"}}``, the number of leading prompt blocks it stored
+or found in the pool. The proxy forwards them with the decode request; the decode
+instance's lookup then waits (``pd_wait_ms``, re-asking every ``PD_RETRY_S``) until all
+of them are there, since the prefill's last saves may still be in flight when its
+answer reaches the proxy.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+PARAMS_KEY = "kvray"
+"""kvray's entry in vLLM's ``kv_transfer_params`` (next to other connectors' entries)."""
+PD_RETRY_S = 0.01
+"""A decode request waiting for its prefill's blocks asks the pool again this often."""
 
 
 def hash_bytes(h: Any) -> bytes:
@@ -59,6 +72,8 @@ class _Request:
     saves_issued: bool = False
     saved_blocks: int = 0
     load_failed_blocks: int = 0
+    prefill_blocks: int = 0
+    """Leading blocks its prefill instance reported stored (PD decode side), else 0."""
     earlier: tuple[int, int, int] = (0, 0, 0)
     """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
     load or a preemption sends it through lookup again)."""
@@ -95,6 +110,9 @@ class KVRayScheduler:
         self._engine_busy = False
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
+        self._pd_wait_s = info.config.pd_wait_ms / 1e3
+        self._pd_deadline: dict[str, float] = {}
+        self._pd_retry_at: dict[str, float] = {}
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
@@ -130,6 +148,14 @@ class KVRayScheduler:
             self._admit(_Request(request, local, next_save=local))
             return 0, False
         pending = self._lookups.get(rid)
+        retry_at = self._pd_retry_at.get(rid)
+        if pending is None and retry_at is not None:
+            wait = retry_at - time.monotonic()
+            if wait > 0:
+                if self._engine_busy:
+                    return None, False
+                time.sleep(wait)  # an idle engine has nothing else to do
+            del self._pd_retry_at[rid]
         if pending is None or pending.first_block > local:
             self._start_lookup(request, local)
             return None, False
@@ -152,18 +178,22 @@ class KVRayScheduler:
             hit = 0
         else:
             self._lookups.pop(rid)
+            answered = True
             try:
                 leading = int(ray.get(pending.ref))
             except ray.exceptions.RayError as exc:
                 self.stats.add("lookup_errors")
                 self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
-                leading = 0
+                leading, answered = 0, False
             if pending.first_block + leading < local and pending.first_block < local:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
                 self._start_lookup(request, local)
                 return None, False
+            if answered and self._await_prefill(request, pending.first_block + leading):
+                return None, False
             hit = max(0, pending.first_block + leading - local)
+        self._pd_deadline.pop(rid, None)
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", len(hashes) - local)
         self.stats.add("lookup_hit_blocks", hit)
@@ -177,6 +207,60 @@ class KVRayScheduler:
         if external == 0:
             return 0, False
         return external, self.info.config.load_async
+
+    def _expected_from_prefill(self, request: Request) -> int:
+        """Leading blocks the request's prefill instance reported in the pool (0: none,
+        or stored where this instance cannot read them)."""
+        params = getattr(request, "kv_transfer_params", None)
+        entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if entry is None:
+            return 0
+        space = self.info.space
+        ours = [space.namespace, space.layout, space.tp_size, space.pp_size]
+        if not isinstance(entry, dict) or not isinstance(entry.get("blocks"), int):
+            self._warn_once("pd-params", "ignoring malformed kv_transfer_params.kvray %r", entry)
+            return 0
+        if entry.get("pool") != self.info.config.pool_name or entry.get("space") != ours:
+            self._warn_once(
+                "pd-space",
+                "the prefill instance stored under pool %r keys %r, this decode instance reads "
+                "pool %r keys %r: nothing of its prefill can be loaded here (set pool_name and "
+                "model_namespace the same on both, and prefill_pp_size for a PP prefill)",
+                entry.get("pool"),
+                entry.get("space"),
+                self.info.config.pool_name,
+                ours,
+            )
+            return 0
+        return min(int(entry["blocks"]), len(request.block_hashes))
+
+    def _await_prefill(self, request: Request, found: int) -> bool:
+        """True if the request should wait for more of its prefill's blocks: the pool has
+        ``found`` leading blocks, fewer than the prefill reported, and ``pd_wait_ms`` has
+        not passed. Then the lookup is asked again after ``PD_RETRY_S``."""
+        rid = request.request_id
+        expected = self._expected_from_prefill(request) if self._pd_wait_s > 0 else 0
+        if found >= expected:
+            return False
+        now = time.monotonic()
+        deadline = self._pd_deadline.get(rid)
+        if deadline is None:
+            deadline = self._pd_deadline[rid] = now + self._pd_wait_s
+            self.stats.add("pd_waits")
+        if now >= deadline:
+            self.stats.add("pd_wait_timeouts")
+            self._warn_once(
+                "pd-timeout",
+                "request %s: its prefill reported %d blocks stored, the pool has %d after "
+                "%.0f ms (pd_wait_ms): loading those, recomputing the rest",
+                rid,
+                expected,
+                found,
+                self._pd_wait_s * 1e3,
+            )
+            return False
+        self._pd_retry_at[rid] = now + PD_RETRY_S
+        return True
 
     def _admit(self, st: _Request) -> None:
         prev = self._reqs.get(st.request.request_id)
@@ -279,6 +363,8 @@ class KVRayScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._lookups.pop(rid, None)
+        self._pd_deadline.pop(rid, None)
+        self._pd_retry_at.pop(rid, None)
         st = self._reqs.pop(rid, None)
         for block_id in block_ids:
             if self._block_owner.get(block_id) == rid:
@@ -291,12 +377,30 @@ class KVRayScheduler:
             "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
             *(rid, len(request.block_hashes), st.local_blocks, hit, loaded, failed, saved),
         )
+        params = self._params_for_decode(request, st)
         if not st.saves_issued:
-            return False, None
+            return False, params
         # Keep the blocks until every worker reports its saves of them done.
         self._delayed.append(rid)
         self._awaiting_frees.add(rid)
-        return True, None
+        return True, params
+
+    def _params_for_decode(self, request: Request, st: _Request) -> dict[str, Any] | None:
+        """What a decode instance needs to find this prefill's blocks: only for requests
+        marked ``do_remote_decode`` (the proxy's prefill requests)."""
+        asked = getattr(request, "kv_transfer_params", None)
+        if not self.info.can_save or not (
+            isinstance(asked, dict) and asked.get("do_remote_decode")
+        ):
+            return None
+        space = self.info.space
+        return {
+            PARAMS_KEY: {
+                "pool": self.info.config.pool_name,
+                "space": [space.namespace, space.layout, space.tp_size, space.pp_size],
+                "blocks": st.next_save,
+            }
+        }
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_frees or self._delayed)

@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 COUNTERS = (
     "lookups",
@@ -20,7 +23,26 @@ COUNTERS = (
     "saved_blocks",
     "save_failed_blocks",
     "saved_bytes",
+    "pd_waits",
+    "pd_wait_timeouts",
 )
+
+HELP = {
+    "lookups": "Pool lookups (one per admitted request that may load)",
+    "lookup_blocks": "Blocks looked up in the pool",
+    "lookup_hit_blocks": "Blocks the pool had (leading hits)",
+    "lookup_misses_timeout": "Lookups slower than lookup_timeout_ms, counted as misses",
+    "lookup_errors": "Lookups that failed, counted as misses",
+    "loaded_blocks": "Blocks loaded from the pool",
+    "load_failed_blocks": "Blocks whose load failed (reported to vLLM)",
+    "loaded_bytes": "Bytes loaded from the pool",
+    "saved_blocks": "Blocks stored to the pool",
+    "save_failed_blocks": "Blocks whose store failed",
+    "saved_bytes": "Bytes stored to the pool",
+    "pd_waits": "Decode requests that waited for their prefill's blocks",
+    "pd_wait_timeouts": "Decode requests whose prefill's blocks did not all arrive in pd_wait_ms",
+}
+assert set(HELP) == set(COUNTERS)
 
 
 @dataclass
@@ -63,3 +85,32 @@ class KVRayConnectorStats(KVConnectorStats):
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVRayConnectorStats:
         return cls(data=dict(data or {}))
+
+
+class KVRayPromMetrics(KVConnectorPromMetrics):
+    """The counters on vLLM's ``/metrics`` as ``vllm:kvray_<name>_total`` per engine.
+    Needed inside MultiConnector, which requires every child that reports stats to
+    export them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name in COUNTERS:
+            counter = self._counter_cls(
+                name=f"vllm:kvray_{name}", documentation=HELP[name], labelnames=labelnames
+            )
+            self._counters[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(int(value))

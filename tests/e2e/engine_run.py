@@ -8,10 +8,11 @@ way a vLLM deployment's workers do.
 SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
        "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
-       "wait_saves_for": "pool name" | null, "inject_drop": false}
+       "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name"}
 
 ``inject_drop`` is fault injection for the load-failure tests: right after a lookup hit
-is allocated, the hit blocks are removed from the pool, so the load that follows fails.
+is allocated, the hit blocks are removed from the pool (the connector's, or the named one
+for a whole ``kv_transfer_config``), so the load that follows fails.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ def main() -> int:
 
     kwargs: dict = {}
     conn = spec.get("connector")
+    inject = spec.get("inject_drop")
+    if isinstance(inject, str):
+        _inject_drop_after_lookup(inject, "kvray")
+    elif inject and conn is not None:
+        _inject_drop_after_lookup(
+            conn["extra"].get("pool_name", "kvray"), conn["extra"].get("namespace", "kvray")
+        )
     if spec.get("kv_transfer_config") is not None:  # a whole config (e.g. MultiConnector)
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     elif conn is not None:
-        if spec.get("inject_drop"):
-            _inject_drop_after_lookup(
-                conn["extra"].get("pool_name", "kvray"), conn["extra"].get("namespace", "kvray")
-            )
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVRayConnector",
             "kv_connector_module_path": "kvray.connector",

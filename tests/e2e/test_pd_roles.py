@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import P1, P3, connector, request_lines, run_engine
+from .conftest import BLOCK, P1, P3, connector, prompts, request_lines, run_engine
 
 pytestmark = pytest.mark.e2e
+
+P4 = prompts(5, 2 * BLOCK + 3)  # used by no other test: 2 full blocks
 
 
 def role(name: str, **extra):  # type: ignore[no-untyped-def]
@@ -51,13 +53,12 @@ def test_producer_stores_and_consumer_flags(pool, ray_cluster, tiny_model, basel
     assert line["hit_pool"] == 0 and line["loaded"] == 0 and line["saved"] == 0
 
 
-def test_inside_multiconnector_next_to_example_connector(
-    pool, ray_cluster, tiny_model, baseline, tmp_path
-):
-    multi = {
+def multi_connector(tmp_path, policy: str = "recompute") -> dict:  # type: ignore[no-untyped-def]
+    """KVRayConnector first, ExampleConnector second; the policy on the top level only."""
+    return {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {
             "connectors": [
                 {
@@ -74,6 +75,12 @@ def test_inside_multiconnector_next_to_example_connector(
             ]
         },
     }
+
+
+def test_inside_multiconnector_next_to_example_connector(
+    pool, ray_cluster, tiny_model, baseline, tmp_path
+):
+    multi = multi_connector(tmp_path)
     out = run_engine(
         ray_cluster,
         tmp_path,
@@ -86,3 +93,22 @@ def test_inside_multiconnector_next_to_example_connector(
     # KVRayConnector is first: it serves the second run's blocks from the pool.
     assert lines[-1]["hit_pool"] == 4 and lines[-1]["loaded"] == 4, lines
     assert (tmp_path / "kv").is_dir(), "the ExampleConnector next to it ran too"
+
+
+def test_multiconnector_top_level_fail_policy_fails_a_request_whose_load_failed(
+    pool, ray_cluster, tiny_model, tmp_path
+):
+    """``kv_load_failure_policy`` set on MultiConnector's top level (its children have
+    none) governs KVRayConnector's failed loads: the first run stores P4, the second hits
+    it, its blocks are removed between lookup and load, and the request fails."""
+    out = run_engine(
+        ray_cluster,
+        tmp_path,
+        "multi-fail",
+        {"model": tiny_model, "kv_transfer_config": multi_connector(tmp_path, "fail"),
+         "runs": [[P4], [P4]], "wait_saves_for": "e2e", "inject_drop": "e2e"},
+    )  # fmt: skip
+    first_reasons, second_reasons = (r["finish_reasons"] for r in out["runs"])
+    assert first_reasons != ["error"] and second_reasons == ["error"]
+    first, second = request_lines(out["log"])
+    assert first["saved"] == 2 and second["failed"] == 2, (first, second)

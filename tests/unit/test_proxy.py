@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvray.proxy import Instance, Pool, Proxy, build, instances, parse_args
+from kvray.proxy import PREFILL_PARAMS, Instance, Pool, Proxy, build, instances, parse_args
 
 STATE = web.AppKey("state", dict)
 
@@ -31,7 +31,11 @@ def fake_openai(name: str, log: list, *, healthy: bool = True) -> web.Applicatio
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        return web.json_response({"by": name, "choices": [{"text": "xyz"}]})
+        answer = {"by": name, "choices": [{"text": "xyz"}]}
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            # as a prefill instance's connectors do: where the decode finds the KV
+            answer["kv_transfer_params"] = {"kvray": {"blocks": 3, "by": name}}
+        return web.json_response(answer)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200 if state["healthy"] else 503)
@@ -98,6 +102,17 @@ async def test_prefill_then_decode_with_round_robin(setup):
     ]
     assert all(b["stream"] is False for n, _, b in log if n == "p0")
     assert (await r.json())["by"] == "d1"
+
+
+async def test_kv_transfer_params_go_from_prefill_answer_to_decode(setup):
+    proxy, log, _ = setup
+    client = await proxy()
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert r.status == 200
+    (_, _, pre), (_, _, dec) = log
+    assert pre["kv_transfer_params"] == PREFILL_PARAMS
+    assert dec["kv_transfer_params"] == {"kvray": {"blocks": 3, "by": "p0"}}
+    assert "kv_transfer_params" not in await r.json(), "the decode's own answer is passed back"
 
 
 async def test_streaming_chat_is_passed_through(setup):

@@ -1,0 +1,279 @@
+"""PD disaggregation end to end, as deployed: two real vLLM OpenAI servers (tiny model, CPU)
+started by ``scripts/pd_prefill.sh`` and ``scripts/pd_decode.sh`` with the shipped
+MultiConnector configs (KVRayConnector first, vLLM's ExampleConnector as the P->D connector
+that runs on CPU), behind ``scripts/pd_proxy.sh`` (``python -m kvray.proxy``), over a
+real kvray pool on the session's Ray cluster.
+
+A request through the proxy is prefilled (one token) on the prefill server, which stores
+its blocks; the decode server loads them from the pool and generates. Outputs equal the
+single-engine run without any connector (the ``baseline`` fixture)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from .conftest import P1, P2, P3, _alive, request_lines, start_pool
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).parents[2]
+STARTUP_S = 420
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
+
+
+def post_stream(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+            elif line == "data: [DONE]":
+                events.append({"done": True})
+    return events
+
+
+class Server:
+    """One process group we started (a launch script and what it runs), with its log."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_healthy(self, url: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if _get(url) == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        pytest.fail(f"{self.name} not healthy after {STARTUP_S} s:\n{self.tail()}")
+
+    def tail(self, n: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def lines(self) -> list[dict[str, int]]:
+        return request_lines(self.log.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        """SIGTERM to the server (the scripts exec it), which stops its engine processes;
+        then whatever is left of the session we started gets SIGKILL."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self._out.close()
+
+
+def wait_lines(server: Server, n: int, timeout_s: float = 20.0) -> list[dict[str, int]]:
+    """The server's per-request connector lines, once there are ``n`` (logged as each
+    request finishes, which can trail its answer a little)."""
+    deadline = time.monotonic() + timeout_s
+    while len(lines := server.lines()) < n:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{server.name}: {len(lines)} request lines, wanted {n}:\n{server.tail()}")
+        time.sleep(0.2)
+    return lines
+
+
+def config_copy(name: str, tmp: Path) -> Path:
+    """A shipped config with the ExampleConnector's directory moved under ``tmp``."""
+    cfg = json.loads((ROOT / "configs" / name).read_text())
+    for child in cfg["kv_connector_extra_config"]["connectors"]:
+        if child["kv_connector"] == "ExampleConnector":
+            child["kv_connector_extra_config"]["shared_storage_path"] = str(tmp / "p2d-kv")
+    out = tmp / name
+    out.write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from kvray.master import free_port
+
+    pool = start_pool("kvray", 1, "256MB")  # the configs' pool_name
+    tmp = tmp_path_factory.mktemp("pd")
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster,
+        "PYTHON": sys.executable,
+        "HOST": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+    }
+    vllm_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+                 "--no-enable-prefix-caching", "--seed", "0"]  # fmt: skip
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    servers: list[Server] = []
+    try:
+        for role in ("prefill", "decode"):
+            cfg = config_copy(f"pd-{role}-multi.json", tmp)
+            servers.append(
+                Server(
+                    role,
+                    [str(ROOT / "scripts" / f"pd_{role}.sh"), tiny_model, str(ports[role]),
+                     *vllm_args],
+                    {**env, "KV_CONFIG": str(cfg)},
+                    tmp / f"{role}.log",
+                )
+            )  # fmt: skip
+        deadline = time.monotonic() + STARTUP_S
+        for s in servers:
+            s.wait_healthy(f"http://127.0.0.1:{ports[s.name]}/health", deadline)
+        proxy = Server(
+            "proxy",
+            [str(ROOT / "scripts" / "pd_proxy.sh"), str(ports["proxy"]), "--health-interval", "1"],
+            {**env, "PREFILL": f"127.0.0.1:{ports['prefill']}",
+             "DECODE": f"127.0.0.1:{ports['decode']}"},
+            tmp / "proxy.log",
+        )  # fmt: skip
+        servers.append(proxy)
+        proxy.wait_healthy(f"http://127.0.0.1:{ports['proxy']}/health", time.monotonic() + 60)
+        yield SimpleNamespace(
+            url={k: f"http://127.0.0.1:{p}" for k, p in ports.items()},
+            prefill=servers[0],
+            decode=servers[1],
+            proxy=proxy,
+            model=tiny_model,
+            p2d_dir=tmp / "p2d-kv",
+        )
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        pool.shutdown()
+    leaked = [
+        f for f in glob.glob("/dev/shm/kvray-kvray-kv-*-*") if not _alive(int(f.rsplit("-", 2)[1]))
+    ]
+    assert not leaked, f"stopped servers left KV regions behind: {leaked}"
+
+
+def completion(pd, prompt: list[int], **extra) -> dict:  # type: ignore[no-untyped-def]
+    return {"model": pd.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "return_token_ids": True, **extra}  # fmt: skip
+
+
+def test_request_through_proxy_is_prefilled_stored_and_loaded_by_decode(pd, baseline):
+    n_pre, n_dec = len(pd.prefill.lines()), len(pd.decode.lines())
+    out = post(f"{pd.url['proxy']}/v1/completions", completion(pd, P1))
+    assert out["choices"][0]["token_ids"] == baseline["P1"]
+    (pre,) = wait_lines(pd.prefill, n_pre + 1)[n_pre:]
+    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    # P1: 4 full blocks + a partial one. The prefill stores the 4; the decode loads all 4
+    # from the pool (KVRayConnector is MultiConnector's first child) and stores nothing.
+    assert (pre["hit_pool"], pre["saved"]) == (0, 4), pre
+    assert (dec["hit_pool"], dec["loaded"], dec["failed"], dec["saved"]) == (4, 4, 0, 0), dec
+    assert pd.p2d_dir.is_dir(), "the P->D connector next to KVRayConnector ran too"
+
+    # The same prompt again: now the prefill itself is served by the pool.
+    out = post(f"{pd.url['proxy']}/v1/completions", completion(pd, P1))
+    assert out["choices"][0]["token_ids"] == baseline["P1"]
+    (pre,) = wait_lines(pd.prefill, n_pre + 2)[n_pre + 1 :]
+    assert (pre["hit_pool"], pre["loaded"], pre["saved"]) == (4, 4, 0), pre
+
+
+def test_streaming_through_proxy(pd, baseline):
+    n_dec = len(pd.decode.lines())
+    events = post_stream(f"{pd.url['proxy']}/v1/completions", completion(pd, P2, stream=True))
+    assert events[-1] == {"done": True}
+    tokens = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert tokens == baseline["P2"]
+    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    # P2 shares P1's first 2 blocks; its prefill stored the third: all 3 come from the pool.
+    assert (dec["hit_pool"], dec["loaded"]) == (3, 3), dec
+
+
+def test_chat_completion_through_proxy(pd):
+    n_pre, n_dec = len(pd.prefill.lines()), len(pd.decode.lines())
+    words = " ".join(f"w{i % 97} item{i}" for i in range(300))  # several blocks of tokens
+    body = {"model": pd.model, "messages": [{"role": "user", "content": words}],
+            "max_completion_tokens": 6, "temperature": 0.0}  # fmt: skip
+    out = post(f"{pd.url['proxy']}/v1/chat/completions", body)
+    assert out["object"] == "chat.completion"
+    assert out["usage"]["completion_tokens"] == 6
+    (pre,) = wait_lines(pd.prefill, n_pre + 1)[n_pre:]
+    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    assert pre["saved"] >= 2 and dec["hit_pool"] == dec["loaded"] == pre["saved"], (pre, dec)
+    direct = post(f"{pd.url['decode']}/v1/chat/completions", body)
+    assert direct["choices"][0]["message"] == out["choices"][0]["message"]
+
+
+def test_decode_waits_for_the_prefill_blocks_it_was_told_about(pd, baseline):
+    """The decode request arrives first, carrying the kv_transfer_params a prefill answer
+    would give; it waits (pd_wait_ms) until the prefill has stored them, then loads them."""
+    from kvray.keys import KVLayout
+
+    space = [Path(pd.model).name, KVLayout("float32", 128, 4, 64).tag(), 1, 1]
+    told = {"kvray": {"pool": "kvray", "space": space, "blocks": 3}}
+    n_dec = len(pd.decode.lines())
+    answer: dict = {}
+
+    def decode() -> None:
+        answer.update(
+            post(f"{pd.url['decode']}/v1/completions", completion(pd, P3, kv_transfer_params=told))
+        )
+
+    t = threading.Thread(target=decode)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "the decode request did not wait for its prefill's blocks"
+    pre = post(
+        f"{pd.url['prefill']}/v1/completions",
+        completion(pd, P3, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
+    assert pre["kv_transfer_params"] == told, "what a prefill answer tells the decode"
+    t.join(60)
+    assert answer["choices"][0]["token_ids"] == baseline["P3"]
+    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    assert (dec["hit_pool"], dec["loaded"]) == (3, 3), dec
+
+
+def test_proxy_health_reports_both_instances(pd):
+    with urllib.request.urlopen(f"{pd.url['proxy']}/health", timeout=5) as r:
+        health = json.loads(r.read())
+    assert health["status"] == "ok"
+    (pre,), (dec,) = health["prefill"], health["decode"]
+    assert pre["healthy"] and dec["healthy"]
+    # every proxied request went to both; none is still in flight
+    assert pre["served"] == dec["served"] and pre["in_flight"] == dec["in_flight"] == 0

@@ -40,8 +40,15 @@ class LookupActor:
     async def probe(self) -> dict[str, Any]:
         return {"rank": self._rank, "probe_hash": probe_hash()}
 
-    async def lookup(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> int:
-        return await self._service.lookup(space, hashes, timeout_s)
+    async def lookup(
+        self,
+        space: KeySpace,
+        hashes: Sequence[bytes],
+        timeout_s: float,
+        want: int = 0,
+        wait_s: float = 0.0,
+    ) -> int:
+        return await self._service.lookup(space, hashes, timeout_s, want, wait_s)
 
     async def snapshot(self) -> dict[str, Any]:
         return {"rank": self._rank, "stats": self._service.stats.to_dict()}

@@ -6,12 +6,18 @@ On Mooncake the same call grants each present key a read lease
 (``--default_kv_lease_ttl``), which is what pins a hit until it is loaded. A lookup
 slower than its timeout, or one the backend fails, is a miss: it is counted and logged
 once, never raised to the scheduler.
+
+A lookup may also wait (PD disaggregation): given ``want`` leading blocks a prefill
+instance reported stored, it asks the backend again every ``POLL_S`` until they are all
+there or ``wait_s`` passed. Waiting here, in one cheap coroutine, keeps the engine from
+spinning empty steps while a prefill's last saves land.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -32,6 +38,9 @@ def leading_hits(present: Sequence[bool], num_blocks: int, world_size: int) -> i
     return num_blocks if everywhere.all() else int(np.argmin(everywhere))
 
 
+POLL_S = 0.01
+"""How often a waiting lookup asks the backend again."""
+
 LowerTier = Callable[[int, list[str]], Awaitable[list[bool]]]
 """``(rank, keys) -> present``: the SSD tier of a rank, asked for what DRAM lacks."""
 
@@ -46,32 +55,56 @@ class LookupService:
         self.stats = RankStats()
         self._warned: set[str] = set()
 
-    async def lookup(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> int:
+    async def lookup(
+        self,
+        space: KeySpace,
+        hashes: Sequence[bytes],
+        timeout_s: float,
+        want: int = 0,
+        wait_s: float = 0.0,
+    ) -> int:
         """Number of leading ``hashes`` stored by every rank of ``space``; 0 on timeout or
-        backend failure."""
+        backend failure. With ``want`` > 0, asks again until that many lead or ``wait_s``
+        passed (each ask bounded by ``timeout_s``)."""
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(hashes)
         if not hashes:
             return 0
         keys = [k for r in range(space.world_size) for k in space.rank_key_strs(hashes, r)]
+        want = min(want, len(hashes))
+        deadline = time.monotonic() + wait_s
+        while True:
+            hits, from_ssd = await self._ask(space, keys, len(hashes), timeout_s)
+            if hits < 0:
+                return 0
+            if hits >= want or time.monotonic() + POLL_S > deadline:
+                break
+            await asyncio.sleep(POLL_S)
+        self.stats.lookup_hit_blocks += hits
+        self.stats.lookup_ssd_blocks += from_ssd
+        return hits
+
+    async def _ask(
+        self, space: KeySpace, keys: list[str], n: int, timeout_s: float
+    ) -> tuple[int, int]:
+        """(leading hits, how many of them only the SSD tier has); hits is -1 for a
+        timed-out or failed ask (counted, logged once)."""
         try:
-            present, dram = await asyncio.wait_for(self._present(keys, len(hashes)), timeout_s)
+            present, dram = await asyncio.wait_for(self._present(keys, n), timeout_s)
         except TimeoutError:
             self.stats.lookup_timeouts += 1
             self._warn_once(
                 "timeout", "lookup took longer than %.0f ms: counted as a miss", timeout_s * 1e3
             )
-            return 0
+            return -1, 0
         except BackendError as exc:
             self.stats.lookup_errors += 1
             self._warn_once("error", "lookup failed (%s): counted as a miss", exc)
-            return 0
-        hits = leading_hits(present, len(hashes), space.world_size)
-        if dram is not None and hits:
-            in_dram = leading_hits(dram, len(hashes), space.world_size)
-            self.stats.lookup_ssd_blocks += hits - min(in_dram, hits)
-        self.stats.lookup_hit_blocks += hits
-        return hits
+            return -1, 0
+        hits = leading_hits(present, n, space.world_size)
+        if dram is None or not hits:
+            return hits, 0
+        return hits, hits - min(leading_hits(dram, n, space.world_size), hits)
 
     async def _present(self, keys: list[str], n: int) -> tuple[list[bool], list[bool] | None]:
         """Presence in any tier, and in DRAM alone (None when no lower tier was asked)."""

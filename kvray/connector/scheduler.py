@@ -11,9 +11,9 @@ PD disaggregation through the pool: a prefill instance answers a request marked
 ``do_remote_decode`` (vLLM's convention; the proxy sets it) with ``kv_transfer_params``
 ``{"kvray": {"pool", "space", "blocks"}}``, the number of leading prompt blocks it stored
 or found in the pool. The proxy forwards them with the decode request; the decode
-instance's lookup then waits (``pd_wait_ms``, re-asking every ``PD_RETRY_S``) until all
-of them are there, since the prefill's last saves may still be in flight when its
-answer reaches the proxy.
+instance's lookup then waits in the Lookup actor (up to ``pd_wait_ms``) until all of them
+are there, since the prefill's last saves may still be in flight when its answer reaches
+the proxy. To the scheduler that is just a slower lookup: other requests run meanwhile.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ logger = logging.getLogger(__name__)
 
 PARAMS_KEY = "kvray"
 """kvray's entry in vLLM's ``kv_transfer_params`` (next to other connectors' entries)."""
-PD_RETRY_S = 0.01
-"""A decode request waiting for its prefill's blocks asks the pool again this often."""
+
+
+def _ended_in_error(request: Request) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ERROR
 
 
 def hash_bytes(h: Any) -> bytes:
@@ -54,6 +58,10 @@ class _Lookup:
     started: float
     first_block: int
     """The lookup counts leading hits from this block on."""
+    timeout_s: float
+    """When the answer is overdue (the lookup timeout, plus any PD wait)."""
+    want: int = 0
+    """Leading blocks (from ``first_block``) a prefill reported stored; 0: none."""
 
 
 @dataclass
@@ -72,8 +80,6 @@ class _Request:
     saves_issued: bool = False
     saved_blocks: int = 0
     load_failed_blocks: int = 0
-    prefill_blocks: int = 0
-    """Leading blocks its prefill instance reported stored (PD decode side), else 0."""
     earlier: tuple[int, int, int] = (0, 0, 0)
     """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
     load or a preemption sends it through lookup again)."""
@@ -106,13 +112,16 @@ class KVRayScheduler:
         self._delayed: list[str] = []
         self._awaiting_frees: set[str] = set()
         self._block_owner: dict[int, str] = {}
+        self._finished: dict[str, tuple[_Request, int, list[int]]] = {}
+        """Requests that loaded from the pool and ended with an error this step: (state,
+        block count, block ids), reported once the step's failed loads are known (under
+        the ``fail`` policy vLLM ends such a request before it hands the connector the
+        failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
         self._pd_wait_s = info.config.pd_wait_ms / 1e3
-        self._pd_deadline: dict[str, float] = {}
-        self._pd_retry_at: dict[str, float] = {}
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
@@ -128,8 +137,15 @@ class KVRayScheduler:
 
     def _start_lookup(self, request: Request, first_block: int) -> _Lookup:
         hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
-        ref = self._lookup_actor.lookup.remote(self.info.space, hashes, self._timeout_s)
-        pending = self._lookups[request.request_id] = _Lookup(ref, time.monotonic(), first_block)
+        want = max(0, self._expected_from_prefill(request) - first_block)
+        wait_s = self._pd_wait_s if want else 0.0
+        if want:
+            self.stats.add("pd_waits")
+        ref = self._lookup_actor.lookup.remote(
+            self.info.space, hashes, self._timeout_s, want, wait_s
+        )
+        pending = _Lookup(ref, time.monotonic(), first_block, self._timeout_s + wait_s, want)
+        self._lookups[request.request_id] = pending
         return pending
 
     def on_new_request(self, request: Request) -> None:
@@ -148,24 +164,19 @@ class KVRayScheduler:
             self._admit(_Request(request, local, next_save=local))
             return 0, False
         pending = self._lookups.get(rid)
-        retry_at = self._pd_retry_at.get(rid)
-        if pending is None and retry_at is not None:
-            wait = retry_at - time.monotonic()
-            if wait > 0:
-                if self._engine_busy:
-                    return None, False
-                time.sleep(wait)  # an idle engine has nothing else to do
-            del self._pd_retry_at[rid]
         if pending is None or pending.first_block > local:
             self._start_lookup(request, local)
             return None, False
         # A busy engine is never stalled: ask again next step. An idle one (the last step
         # ran nothing) has nothing to delay, so wait for the answer instead of spinning
-        # empty steps that compete with the Lookup actor for CPU.
-        remaining = max(0.0, self._timeout_s - (time.monotonic() - pending.started))
+        # empty steps: each one also keeps vLLM's worker busy-polling for a second, which
+        # starves the Lookup and BackendClient actors (and, on a small host, the prefill a
+        # PD wait is waiting for). A request arriving meanwhile is scheduled once the
+        # answer is in: at most the lookup timeout, or pd_wait_ms for a PD wait.
+        remaining = max(0.0, pending.timeout_s - (time.monotonic() - pending.started))
         ready, _ = ray.wait([pending.ref], timeout=0 if self._engine_busy else remaining)
         if not ready:
-            if time.monotonic() - pending.started < self._timeout_s:
+            if time.monotonic() - pending.started < pending.timeout_s:
                 return None, False
             self._lookups.pop(rid)
             ray.cancel(pending.ref)
@@ -178,22 +189,20 @@ class KVRayScheduler:
             hit = 0
         else:
             self._lookups.pop(rid)
-            answered = True
             try:
                 leading = int(ray.get(pending.ref))
             except ray.exceptions.RayError as exc:
                 self.stats.add("lookup_errors")
                 self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
-                leading, answered = 0, False
+                leading = pending.want = 0
             if pending.first_block + leading < local and pending.first_block < local:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
                 self._start_lookup(request, local)
                 return None, False
-            if answered and self._await_prefill(request, pending.first_block + leading):
-                return None, False
+            if leading < pending.want:
+                self._prefill_blocks_missing(rid, pending, leading)
             hit = max(0, pending.first_block + leading - local)
-        self._pd_deadline.pop(rid, None)
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", len(hashes) - local)
         self.stats.add("lookup_hit_blocks", hit)
@@ -210,7 +219,9 @@ class KVRayScheduler:
 
     def _expected_from_prefill(self, request: Request) -> int:
         """Leading blocks the request's prefill instance reported in the pool (0: none,
-        or stored where this instance cannot read them)."""
+        or stored where this instance cannot read them, or not waiting for them)."""
+        if self._pd_wait_s <= 0:
+            return 0
         params = getattr(request, "kv_transfer_params", None)
         entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if entry is None:
@@ -234,33 +245,17 @@ class KVRayScheduler:
             return 0
         return min(int(entry["blocks"]), len(request.block_hashes))
 
-    def _await_prefill(self, request: Request, found: int) -> bool:
-        """True if the request should wait for more of its prefill's blocks: the pool has
-        ``found`` leading blocks, fewer than the prefill reported, and ``pd_wait_ms`` has
-        not passed. Then the lookup is asked again after ``PD_RETRY_S``."""
-        rid = request.request_id
-        expected = self._expected_from_prefill(request) if self._pd_wait_s > 0 else 0
-        if found >= expected:
-            return False
-        now = time.monotonic()
-        deadline = self._pd_deadline.get(rid)
-        if deadline is None:
-            deadline = self._pd_deadline[rid] = now + self._pd_wait_s
-            self.stats.add("pd_waits")
-        if now >= deadline:
-            self.stats.add("pd_wait_timeouts")
-            self._warn_once(
-                "pd-timeout",
-                "request %s: its prefill reported %d blocks stored, the pool has %d after "
-                "%.0f ms (pd_wait_ms): loading those, recomputing the rest",
-                rid,
-                expected,
-                found,
-                self._pd_wait_s * 1e3,
-            )
-            return False
-        self._pd_retry_at[rid] = now + PD_RETRY_S
-        return True
+    def _prefill_blocks_missing(self, rid: str, pending: _Lookup, found: int) -> None:
+        self.stats.add("pd_wait_timeouts")
+        self._warn_once(
+            "pd-timeout",
+            "request %s: its prefill reported %d blocks stored, the pool had %d after %.0f ms "
+            "(pd_wait_ms): loading those, recomputing the rest",
+            rid,
+            pending.first_block + pending.want,
+            pending.first_block + found,
+            self._pd_wait_s * 1e3,
+        )
 
     def _admit(self, st: _Request) -> None:
         prev = self._reqs.get(st.request.request_id)
@@ -293,6 +288,7 @@ class KVRayScheduler:
     # ---- per step ------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
+        self._report_finished()  # those finished outside a step's output (aborts)
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = bool(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -352,31 +348,29 @@ class KVRayScheduler:
         for block_id in output.invalid_block_ids or ():
             owner = self._block_owner.get(block_id)
             st = self._reqs.get(owner) if owner else None
-            if st is not None:
+            if st is None and owner in self._finished:
+                self._finished[owner][0].load_failed_blocks += 1
+            elif st is not None:
                 st.load_failed_blocks += 1
                 # vLLM recomputes from the first failed block: store those blocks again.
                 if block_id in st.block_ids:
                     st.next_save = min(st.next_save, st.block_ids.index(block_id))
+        self._report_finished()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._lookups.pop(rid, None)
-        self._pd_deadline.pop(rid, None)
-        self._pd_retry_at.pop(rid, None)
         st = self._reqs.pop(rid, None)
-        for block_id in block_ids:
-            if self._block_owner.get(block_id) == rid:
-                del self._block_owner[block_id]
+        if st is not None and st.pool_blocks and _ended_in_error(request):
+            self._finished[rid] = (st, len(request.block_hashes), list(block_ids))
+        else:
+            self._release_blocks(rid, block_ids)
         if st is None:
             return False, None
-        hit, loaded, failed = st.totals()
-        saved = st.saved_blocks
-        logger.info(
-            "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
-            *(rid, len(request.block_hashes), st.local_blocks, hit, loaded, failed, saved),
-        )
+        if rid not in self._finished:
+            self._log_request(rid, st, len(request.block_hashes))
         params = self._params_for_decode(request, st)
         if not st.saves_issued:
             return False, params
@@ -401,6 +395,25 @@ class KVRayScheduler:
                 "blocks": st.next_save,
             }
         }
+
+    def _release_blocks(self, rid: str, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if self._block_owner.get(block_id) == rid:
+                del self._block_owner[block_id]
+
+    def _report_finished(self) -> None:
+        for rid, (st, total, block_ids) in self._finished.items():
+            self._release_blocks(rid, block_ids)
+            self._log_request(rid, st, total)
+        self._finished.clear()
+
+    @staticmethod
+    def _log_request(rid: str, st: _Request, total: int) -> None:
+        hit, loaded, failed = st.totals()
+        logger.info(
+            "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
+            *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks),
+        )
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_frees or self._delayed)

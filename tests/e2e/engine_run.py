@@ -79,6 +79,7 @@ def main() -> int:
         enable_prefix_caching=False,
         distributed_executor_backend=spec.get("executor"),
         tensor_parallel_size=spec.get("tp", 1),
+        pipeline_parallel_size=spec.get("pp", 1),
         seed=0,
         **kwargs,
     )

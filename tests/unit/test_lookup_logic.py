@@ -8,3 +8,49 @@ def test_leading_hits_needs_every_rank():
     assert leading_hits([True] * 4, 4, 1) == 4
     assert leading_hits([False, True], 2, 1) == 0
     assert leading_hits([], 0, 3) == 0
+
+
+class FakeExists:
+    """FAKE backend: only ``exists``, over a set of keys the test fills; counts asks."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.asks = 0
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        self.asks += 1
+        return [k in self.keys for k in keys]
+
+
+def test_lookup_waits_for_blocks_a_prefill_reported():
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import LookupService
+
+    space = KeySpace("m", "float32-b16-h1x8", 1, 1)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    keys = space.rank_key_strs(hashes, 0)
+    backend = FakeExists()
+    service = LookupService(backend)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[int, int, int, int]:
+        async def prefill_saves() -> None:
+            backend.keys.add(keys[0])
+            await asyncio.sleep(0.05)
+            backend.keys.update(keys[1:3])  # the last saves land
+
+        no_wait = await service.lookup(space, hashes, 1.0)  # plain lookup: one ask
+        asks = backend.asks
+        saving = asyncio.ensure_future(prefill_saves())
+        waited = await service.lookup(space, hashes, 1.0, want=3, wait_s=5.0)
+        await saving
+        # told 4, only 3 ever arrive: after wait_s it answers with what is there
+        partial = await service.lookup(space, hashes, 1.0, want=4, wait_s=0.1)
+        return no_wait, asks, waited, partial
+
+    no_wait, asks, waited, partial = asyncio.run(scenario())
+    assert (no_wait, asks) == (0, 1)
+    assert waited == 3 and backend.asks > asks + 2, "asked again until the 3 blocks were there"
+    assert partial == 3
+    assert service.stats.lookups == 3 and service.stats.lookup_hit_blocks == 6

@@ -7,6 +7,7 @@ in the process that dereferences them) and counts what it did.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ class RankStore:
         self.rank = rank
         self.stats = RankStats()
         self._regions: dict[str, SharedRegion] = {}
+        self._mapping: dict[str, asyncio.Lock] = {}
 
     async def ensure_region(self, spec: RegionSpec) -> SharedRegion:
         """Map and register ``spec`` unless already done (idempotent: every batch carries
@@ -37,17 +39,25 @@ class RankStore:
         region = self._regions.get(spec.region_id)
         if region is not None and region.spec == spec:
             return region
-        if region is not None:
-            await self.release_region(spec.region_id)
-        await self.drop_stale_regions()
-        region = SharedRegion.attach(spec)
-        await self.backend.register_region(region.base_ptr, spec.size)
-        self._regions[spec.region_id] = region
+        # Transfers run concurrently: the first ones to see a new region (a save per PP
+        # stage, a load next to a save) must map and register it once, not each its own
+        # copy (the one replaced would be unmapped under the other's transfer).
+        async with self._mapping.setdefault(spec.region_id, asyncio.Lock()):
+            region = self._regions.get(spec.region_id)
+            if region is not None and region.spec == spec:
+                return region
+            if region is not None:
+                await self.release_region(spec.region_id)
+            await self.drop_stale_regions()
+            region = SharedRegion.attach(spec)
+            await self.backend.register_region(region.base_ptr, spec.size)
+            self._regions[spec.region_id] = region
         self.stats.regions = len(self._regions)
         logger.info("rank %d mapped region %s (%d bytes)", self.rank, spec.region_id, spec.size)
         return region
 
     async def release_region(self, region_id: str) -> None:
+        self._mapping.pop(region_id, None)
         region = self._regions.pop(region_id, None)
         if region is None:
             return

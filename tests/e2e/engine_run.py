@@ -8,7 +8,8 @@ way a vLLM deployment's workers do.
 SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
        "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
-       "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name"}
+       "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name",
+       "record_hashes": false}
 
 ``inject_drop`` is fault injection for the load-failure tests: right after a lookup hit
 is allocated, the hit blocks are removed from the pool (the connector's, or the named one
@@ -45,6 +46,19 @@ def _inject_drop_after_lookup(pool_name: str, namespace: str) -> None:
     sched_mod.KVRayScheduler.update_state_after_alloc = drop_then_alloc
 
 
+def _record_block_hashes(into: list[list[str]]) -> None:
+    """Each finished request's vLLM block hashes (hex), as the connector keys them."""
+    from kvray.connector import scheduler as sched_mod
+
+    original = sched_mod.KVRayScheduler.request_finished
+
+    def record(self, request, block_ids):  # type: ignore[no-untyped-def]
+        into.append([sched_mod.hash_bytes(h).hex() for h in request.block_hashes])
+        return original(self, request, block_ids)
+
+    sched_mod.KVRayScheduler.request_finished = record
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -54,6 +68,9 @@ def main() -> int:
 
     kwargs: dict = {}
     conn = spec.get("connector")
+    hashes: list[list[str]] = []
+    if spec.get("record_hashes"):
+        _record_block_hashes(hashes)
     inject = spec.get("inject_drop")
     if isinstance(inject, str):
         _inject_drop_after_lookup(inject, "kvray")
@@ -79,7 +96,6 @@ def main() -> int:
         enable_prefix_caching=False,
         distributed_executor_backend=spec.get("executor"),
         tensor_parallel_size=spec.get("tp", 1),
-        pipeline_parallel_size=spec.get("pp", 1),
         seed=0,
         **kwargs,
     )
@@ -100,7 +116,7 @@ def main() -> int:
         if spec.get("wait_saves_for"):
             _wait_for_saves(llm)
     with open(sys.argv[2], "w") as f:
-        json.dump({"runs": results}, f)
+        json.dump({"runs": results, "block_hashes": hashes}, f)
     return 0
 
 

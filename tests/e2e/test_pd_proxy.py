@@ -282,3 +282,26 @@ def test_proxy_health_reports_both_instances(pd):
     assert pre["healthy"] and dec["healthy"]
     # every proxied request went to both; none is still in flight
     assert pre["served"] == dec["served"] and pre["in_flight"] == dec["in_flight"] == 0
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a counter over its label sets on a vLLM server's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]  # fmt: skip
+    assert values, f"{name} not on {url}/metrics"
+    return sum(values)
+
+
+def test_connector_counters_on_vllm_metrics(pd, baseline):
+    out = post(f"{pd.url['proxy']}/v1/completions", completion(pd, P1))
+    assert out["choices"][0]["token_ids"] == baseline["P1"]
+    deadline = time.monotonic() + 30  # stats reach the API server with the next steps
+    while metric(pd.url["decode"], "vllm:kvray_loaded_blocks_total") < 4:
+        assert time.monotonic() < deadline, "decode's loaded blocks never reached /metrics"
+        time.sleep(0.5)
+    stored = metric(pd.url["prefill"], "vllm:kvray_saved_blocks_total")
+    served = metric(pd.url["prefill"], "vllm:kvray_loaded_blocks_total")
+    assert stored + served >= 4
+    assert metric(pd.url["decode"], "vllm:kvray_saved_blocks_total") == 0

@@ -1,3 +1,4 @@
+import asyncio
 import os
 
 import numpy as np
@@ -70,3 +71,47 @@ def test_multi_piece_batch(region):
     lengths = np.full((2, 2), 256, dtype=np.int64)
     batch = TransferBatch(region.spec, ("a", "b"), offsets, lengths)
     assert list(batch.key_nbytes()) == [512, 512]
+
+
+class SlowRegisterBackend:
+    """FAKE backend for RankStore: registration yields to the event loop (as a real
+    client's does), puts only record where they would read from."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.put_ptrs: list[int] = []
+
+    async def register_region(self, ptr: int, size: int) -> None:
+        await asyncio.sleep(0.01)
+        self.registered.append(ptr)
+
+    async def unregister_region(self, ptr: int) -> None:
+        self.registered.remove(ptr)
+
+    async def put(self, keys, ptrs, sizes, *, overwrite=False):  # type: ignore[no-untyped-def]
+        from kvray.backends.base import KeyStatus
+
+        self.put_ptrs += [p[0] for p in ptrs]
+        return [KeyStatus.OK] * len(keys)
+
+
+def test_concurrent_first_transfers_map_a_region_once(region):
+    """Two saves of one new region at once (one per prefill PP stage) map and register it
+    once; before the fix each mapped its own copy and the replaced one was unmapped under
+    the other's transfer (the BackendClient actor crashed)."""
+    from kvray.rank_store import RankStore
+
+    backend = SlowRegisterBackend()
+    store = RankStore(backend, 0)  # type: ignore[arg-type]
+    a = TransferBatch.contiguous(region.spec, ["a"], [0], [16])
+    b = TransferBatch.contiguous(region.spec, ["b"], [16], [16])
+
+    async def both() -> None:
+        await asyncio.gather(store.put(a), store.put(b))
+
+    asyncio.run(both())
+    assert len(backend.registered) == 1 and store.stats.regions == 1
+    base = backend.registered[0]
+    assert sorted(backend.put_ptrs) == [base, base + 16], "both through the one mapping"
+    asyncio.run(store.release_region(region.spec.region_id))
+    assert backend.registered == []

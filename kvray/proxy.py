@@ -28,7 +28,7 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,34 +214,26 @@ class Proxy:
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         inst = self.prefill.choose()
-        inst.in_flight += 1
-        try:
+        with _upstream(inst, "prefill"):
             async with self.session.post(f"{inst.url}{path}", json=pre, headers=headers) as r:
                 text = await r.text()
-                if r.status != 200:
-                    raise web.HTTPBadGateway(
-                        text=f"prefill instance {inst.url} answered {r.status}: {text[:500]}"
-                    )
-            try:
-                params = json.loads(text).get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                raise web.HTTPBadGateway(
-                    text=f"prefill instance {inst.url} answered with no JSON object: {text[:200]}"
-                ) from None
-            return params if isinstance(params, dict) else None
-        except aiohttp.ClientError as exc:
-            inst.healthy = False
-            raise web.HTTPBadGateway(text=f"prefill instance {inst.url} failed: {exc}") from exc
-        finally:
-            inst.in_flight -= 1
-            inst.served += 1
+        if r.status != 200:
+            raise web.HTTPBadGateway(
+                text=f"prefill instance {inst.url} answered {r.status}: {text[:500]}"
+            )
+        try:
+            params = json.loads(text).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise web.HTTPBadGateway(
+                text=f"prefill instance {inst.url} answered with no JSON object: {text[:200]}"
+            ) from None
+        return params if isinstance(params, dict) else None
 
     async def _decode(
         self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
     ) -> web.StreamResponse:
         inst = self.decode.choose()
-        inst.in_flight += 1
-        try:
+        with _upstream(inst, "decode"):
             async with self.session.post(
                 f"{inst.url}{request.path}", json=body, headers=headers
             ) as r:
@@ -252,21 +244,25 @@ class Proxy:
                 if ctype:
                     response.headers["Content-Type"] = ctype
                 await response.prepare(request)
-                async for chunk in _chunks(r):
+                async for chunk in r.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except aiohttp.ClientError as exc:
-            inst.healthy = False
-            raise web.HTTPBadGateway(text=f"decode instance {inst.url} failed: {exc}") from exc
-        finally:
-            inst.in_flight -= 1
-            inst.served += 1
 
 
-async def _chunks(r: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    async for chunk in r.content.iter_any():
-        yield chunk
+@contextlib.contextmanager
+def _upstream(inst: Instance, role: str) -> Iterator[None]:
+    """One request to ``inst``: counted while in flight; a connection failure marks it
+    unhealthy (until its next health check) and is a 502 to the client."""
+    inst.in_flight += 1
+    try:
+        yield
+    except aiohttp.ClientError as exc:
+        inst.healthy = False
+        raise web.HTTPBadGateway(text=f"{role} instance {inst.url} failed: {exc}") from exc
+    finally:
+        inst.in_flight -= 1
+        inst.served += 1
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -32,6 +32,7 @@ class RankStore:
         self.stats = RankStats()
         self._regions: dict[str, SharedRegion] = {}
         self._mapping: dict[str, asyncio.Lock] = {}
+        """One lock per region id ever seen (kept: dropping it could let two mappings in)."""
 
     async def ensure_region(self, spec: RegionSpec) -> SharedRegion:
         """Map and register ``spec`` unless already done (idempotent: every batch carries
@@ -57,7 +58,6 @@ class RankStore:
         return region
 
     async def release_region(self, region_id: str) -> None:
-        self._mapping.pop(region_id, None)
         region = self._regions.pop(region_id, None)
         if region is None:
             return

@@ -112,7 +112,7 @@ class KVRayScheduler:
         self._delayed: list[str] = []
         self._awaiting_frees: set[str] = set()
         self._block_owner: dict[int, str] = {}
-        self._finished: dict[str, tuple[_Request, int, list[int]]] = {}
+        self._errored: dict[str, tuple[_Request, int, list[int]]] = {}
         """Requests that loaded from the pool and ended with an error this step: (state,
         block count, block ids), reported once the step's failed loads are known (under
         the ``fail`` policy vLLM ends such a request before it hands the connector the
@@ -122,6 +122,9 @@ class KVRayScheduler:
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
         self._pd_wait_s = info.config.pd_wait_ms / 1e3
+        space = info.space
+        self._space_id = [space.namespace, space.layout, space.tp_size, space.pp_size]
+        """What a prefill and a decode compare in ``kv_transfer_params`` (JSON-able)."""
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
@@ -226,12 +229,10 @@ class KVRayScheduler:
         entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if entry is None:
             return 0
-        space = self.info.space
-        ours = [space.namespace, space.layout, space.tp_size, space.pp_size]
         if not isinstance(entry, dict) or not isinstance(entry.get("blocks"), int):
             self._warn_once("pd-params", "ignoring malformed kv_transfer_params.kvray %r", entry)
             return 0
-        if entry.get("pool") != self.info.config.pool_name or entry.get("space") != ours:
+        if entry.get("pool") != self.info.config.pool_name or entry.get("space") != self._space_id:
             self._warn_once(
                 "pd-space",
                 "the prefill instance stored under pool %r keys %r, this decode instance reads "
@@ -240,7 +241,7 @@ class KVRayScheduler:
                 entry.get("pool"),
                 entry.get("space"),
                 self.info.config.pool_name,
-                ours,
+                self._space_id,
             )
             return 0
         return min(int(entry["blocks"]), len(request.block_hashes))
@@ -348,8 +349,8 @@ class KVRayScheduler:
         for block_id in output.invalid_block_ids or ():
             owner = self._block_owner.get(block_id)
             st = self._reqs.get(owner) if owner else None
-            if st is None and owner in self._finished:
-                self._finished[owner][0].load_failed_blocks += 1
+            if st is None and owner in self._errored:
+                self._errored[owner][0].load_failed_blocks += 1
             elif st is not None:
                 st.load_failed_blocks += 1
                 # vLLM recomputes from the first failed block: store those blocks again.
@@ -363,13 +364,14 @@ class KVRayScheduler:
         rid = request.request_id
         self._lookups.pop(rid, None)
         st = self._reqs.pop(rid, None)
-        if st is not None and st.pool_blocks and _ended_in_error(request):
-            self._finished[rid] = (st, len(request.block_hashes), list(block_ids))
+        if st is None:
+            self._release_blocks(rid, block_ids)
+            return False, None
+        if st.pool_blocks and _ended_in_error(request):
+            # reported with this step's failed loads (update_connector_output)
+            self._errored[rid] = (st, len(request.block_hashes), list(block_ids))
         else:
             self._release_blocks(rid, block_ids)
-        if st is None:
-            return False, None
-        if rid not in self._finished:
             self._log_request(rid, st, len(request.block_hashes))
         params = self._params_for_decode(request, st)
         if not st.saves_issued:
@@ -387,11 +389,10 @@ class KVRayScheduler:
             isinstance(asked, dict) and asked.get("do_remote_decode")
         ):
             return None
-        space = self.info.space
         return {
             PARAMS_KEY: {
                 "pool": self.info.config.pool_name,
-                "space": [space.namespace, space.layout, space.tp_size, space.pp_size],
+                "space": self._space_id,
                 "blocks": st.next_save,
             }
         }
@@ -402,10 +403,10 @@ class KVRayScheduler:
                 del self._block_owner[block_id]
 
     def _report_finished(self) -> None:
-        for rid, (st, total, block_ids) in self._finished.items():
+        for rid, (st, total, block_ids) in self._errored.items():
             self._release_blocks(rid, block_ids)
             self._log_request(rid, st, total)
-        self._finished.clear()
+        self._errored.clear()
 
     @staticmethod
     def _log_request(rid: str, st: _Request, total: int) -> None:

@@ -42,27 +42,27 @@ def _get(url: str, timeout: float = 2.0) -> int:
         return int(e.code)
 
 
-def post(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(
+def _json_post(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    with urllib.request.urlopen(_json_post(url, body), timeout=timeout) as r:
         return dict(json.loads(r.read()))
 
 
 def post_stream(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
     events = []
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with urllib.request.urlopen(_json_post(url, body), timeout=timeout) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         for raw in r:
             line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: ") :]))
-            elif line == "data: [DONE]":
+            if line == "data: [DONE]":
                 events.append({"done": True})
+            elif line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
     return events
 
 

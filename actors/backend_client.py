@@ -22,9 +22,6 @@ logger = logging.getLogger(__name__)
 _LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED)
 """DRAM outcomes the SSD tier may still turn into a hit (it rewrites every byte)."""
 
-REGION_SWEEP_S = 30.0
-"""How often mappings of regions whose owner went away are dropped."""
-
 
 class BackendClientActor:
     """All methods are async; native calls run on the backend's own thread pool."""
@@ -33,7 +30,6 @@ class BackendClientActor:
         logging.basicConfig(level=logging.INFO)
         config = PoolConfig.model_validate_json(config_json)
         self._store = RankStore(make_backend(config, server_address), rank)
-        self._sweeper: asyncio.Task[None] | None = None
         # Pipeline "<backend>|ssd": the rank's SSD offload actor is the lower tier.
         self._ssd_name = (
             (ssd_name(config.name, rank), config.namespace) if config.ssd_tier else None
@@ -45,20 +41,6 @@ class BackendClientActor:
             self._ssd = ray.get_actor(self._ssd_name[0], namespace=self._ssd_name[1])
         return self._ssd
 
-    def _ensure_sweeper(self) -> None:
-        # Started from the first data call: __init__ runs before the actor's loop does.
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_regions())
-
-    async def _sweep_regions(self) -> None:
-        """Reconcile loop: each pass is idempotent and a failure only skips one pass."""
-        while True:
-            await asyncio.sleep(REGION_SWEEP_S)
-            try:
-                await self._store.drop_stale_regions()
-            except Exception:
-                logger.exception("rank %d: region sweep failed", self._store.rank)
-
     async def probe(self) -> dict[str, Any]:
         return {
             "rank": self._store.rank,
@@ -68,7 +50,6 @@ class BackendClientActor:
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
-        self._ensure_sweeper()
         ssd = self._ssd_actor()
         if ssd is None:
             return await self._store.put(batch, overwrite=overwrite)
@@ -83,7 +64,6 @@ class BackendClientActor:
         ]
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
-        self._ensure_sweeper()
         statuses = await self._store.get(batch)
         ssd = self._ssd_actor()
         if ssd is None:
@@ -132,6 +112,4 @@ class BackendClientActor:
         return self._store.snapshot()
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         await self._store.close()

@@ -21,7 +21,6 @@ Ray call carries a whole batch.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import contextlib
 import logging
@@ -134,9 +133,8 @@ class Pool:
         self._window: SharedRegion | None = None
         self._window_lock = asyncio.Lock()
         self._closed = False
-        # If the process exits without close(), still unlink our /dev/shm files (no Ray
-        # calls at exit: the actors drop mappings whose file is gone by themselves).
-        atexit.register(self._unlink_regions)
+        # A process that exits without close() leaves nothing: its regions are memory
+        # files the kernel frees, and the actors drop their mappings once it is gone.
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -179,12 +177,6 @@ class Pool:
             self._loop.run(self._release_regions())
         finally:
             self._loop.stop()
-            atexit.unregister(self._unlink_regions)
-
-    def _unlink_regions(self) -> None:
-        for region in [*self._regions, self._window]:
-            if region is not None:
-                region.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
@@ -236,7 +228,7 @@ class Pool:
         regions = self._regions + ([self._window] if self._window else [])
         for region in regions:
             for actor in self._h.backends:
-                # On failure the actor drops the region itself once the file is gone.
+                # On failure the actor drops its mapping itself once we closed the region.
                 with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                     await asyncio.wait_for(actor.release_region.remote(region.spec.region_id), 5)
             region.close()

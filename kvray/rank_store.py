@@ -22,6 +22,10 @@ from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
 
+REGION_SWEEP_S = 2.0
+"""How often mappings of regions whose creator went away are dropped: a dead engine's KV
+cache is freed by the kernel only once this process unmaps it too (the check is a stat)."""
+
 
 class RankStore:
     """Regions + backend + counters for one rank."""
@@ -33,6 +37,7 @@ class RankStore:
         self._regions: dict[str, SharedRegion] = {}
         self._mapping: dict[str, asyncio.Lock] = {}
         """One lock per region id ever seen (kept: dropping it could let two mappings in)."""
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def ensure_region(self, spec: RegionSpec) -> SharedRegion:
         """Map and register ``spec`` unless already done (idempotent: every batch carries
@@ -53,6 +58,8 @@ class RankStore:
             region = SharedRegion.attach(spec)
             await self.backend.register_region(region.base_ptr, spec.size)
             self._regions[spec.region_id] = region
+            if self._sweeper is None or self._sweeper.done():  # on the actor's loop
+                self._sweeper = asyncio.get_running_loop().create_task(self._sweep_regions())
         self.stats.regions = len(self._regions)
         logger.info("rank %d mapped region %s (%d bytes)", self.rank, spec.region_id, spec.size)
         return region
@@ -70,6 +77,15 @@ class RankStore:
         for region_id in [r for r, reg in self._regions.items() if reg.stale()]:
             logger.info("rank %d drops region %s: its owner is gone", self.rank, region_id)
             await self.release_region(region_id)
+
+    async def _sweep_regions(self) -> None:
+        """Reconcile loop: each pass is idempotent and a failure only skips one pass."""
+        while True:
+            await asyncio.sleep(REGION_SWEEP_S)
+            try:
+                await self.drop_stale_regions()
+            except Exception:
+                logger.exception("rank %d: region sweep failed", self.rank)
 
     async def _addresses(self, batch: TransferBatch) -> tuple[list[list[int]], list[list[int]]]:
         region = await self.ensure_region(batch.region)
@@ -113,6 +129,8 @@ class RankStore:
         return {"rank": self.rank, "info": self.backend.info(), "stats": self.stats.to_dict()}
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for region_id in list(self._regions):
             await self.release_region(region_id)
         await self.backend.close()

@@ -9,7 +9,6 @@ every layer's cache on it. The mode below serves exactly that call from a
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class SharedKVAllocator(TorchFunctionMode):
-    """Serves the KV cache's int8 ``torch.zeros`` buffer from /dev/shm."""
+    """Serves the KV cache's int8 ``torch.zeros`` buffer from a shared memory file."""
 
     def __init__(self, prefix: str) -> None:
         super().__init__()
@@ -46,11 +45,12 @@ class SharedKVAllocator(TorchFunctionMode):
             and isinstance(args[0], int)
             and torch.device(kwargs.get("device") or "cpu").type == "cpu"
         ):
-            self.region = SharedRegion.create(self.prefix, args[0])  # files start zeroed
-            # Engines often exit without shutting their connector down: unlink anyway.
-            atexit.register(self.region.close)
+            # A memory file, zeroed, freed by the kernel however the engine ends.
+            self.region = SharedRegion.create(self.prefix, args[0])
             logger.info(
-                "KV cache (%d bytes) placed in shared memory %s", args[0], self.region.spec.path
+                "KV cache (%d bytes) placed in shared memory %s",
+                args[0],
+                self.region.spec.region_id,
             )
             return torch.from_numpy(self.region.array).view(torch.int8)
         return func(*args, **kwargs)

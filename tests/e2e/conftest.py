@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,25 +66,43 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
-    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+def assert_no_region_left(whose: str, timeout_s: float = 10.0) -> None:
+    """Every exited engine's shared-memory KV cache is gone: no ``/dev/shm`` file, and no
+    process (a BackendClient actor) still maps it once its sweep has run (every 2 s)."""
+    from kvray.shm import creator_gone, orphaned_mappings
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = [f for f in glob.glob("/dev/shm/kvray-*") if creator_gone(Path(f).name)]
+        mapped = orphaned_mappings()
+        if not files and not mapped:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{whose} left KV regions behind: files {files}, mapped {mapped}")
+        time.sleep(0.2)
+
+
+def start_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> subprocess.Popen:
+    """An engine process (tests/e2e/engine_run.py) running ``spec``; its JSON result goes
+    to ``<tmp_path>/<name>.out.json``."""
+    spec_path = tmp_path / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "RAY_ADDRESS": cluster}
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "engine_run.py"), str(spec_path), str(out_path)],
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "engine_run.py"), str(spec_path),
+         str(tmp_path / f"{name}.out.json")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
+    proc = start_engine(cluster, tmp_path, name, spec)
     stdout, stderr = proc.communicate(timeout=600)
-    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    assert res.returncode == 0, f"engine {name} failed:\n{res.stderr[-6000:]}"
-    # Every engine process's shared-memory KV cache goes with it.
-    leaked = [
-        f for f in glob.glob("/dev/shm/kvray-*-kv-*-*") if not _alive(int(f.rsplit("-", 2)[1]))
-    ]
-    assert not leaked, f"engine processes left KV regions behind: {leaked}"
-    result = json.loads(out_path.read_text())
-    result["log"] = res.stdout + res.stderr
+    assert proc.returncode == 0, f"engine {name} failed:\n{stderr[-6000:]}"
+    assert_no_region_left("engine processes")
+    result = json.loads((tmp_path / f"{name}.out.json").read_text())
+    result["log"] = stdout + stderr
     return result
 
 

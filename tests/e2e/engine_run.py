@@ -9,7 +9,10 @@ SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
        "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
        "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name",
-       "record_hashes": false}
+       "record_hashes": false, "hang": false}
+
+``hang``: after writing OUT.json, print ``engine-run: hanging`` and sleep, so a test can
+kill the engine (SIGKILL) while everything it set up is still in place.
 
 ``inject_drop`` is fault injection for the load-failure tests: right after a lookup hit
 is allocated, the hit blocks are removed from the pool (the connector's, or the named one
@@ -117,6 +120,9 @@ def main() -> int:
             _wait_for_saves(llm)
     with open(sys.argv[2], "w") as f:
         json.dump({"runs": results, "block_hashes": hashes}, f)
+    if spec.get("hang"):
+        print("engine-run: hanging", flush=True)
+        time.sleep(3600)
     return 0
 
 

@@ -4,9 +4,22 @@ failed load recomputes or fails the request as the policy says."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from .conftest import P1, P2, P3, connector, request_lines, run_engine
+from kvray.shm import mapped_regions
+
+from .conftest import (
+    P1,
+    P2,
+    P3,
+    assert_no_region_left,
+    connector,
+    request_lines,
+    run_engine,
+    start_engine,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -86,3 +99,42 @@ def test_failed_load_recomputes(pool, ray_cluster, tiny_model, baseline, tmp_pat
 def test_failed_load_fails_request_under_fail_policy(pool, ray_cluster, tiny_model, tmp_path):
     out = store_then_drop(ray_cluster, tmp_path, tiny_model, {**connector(), "policy": "fail"})
     assert out["runs"][0]["finish_reasons"] == ["error"]
+
+
+def test_sigkilled_engine_leaves_no_region(pool, ray_cluster, tiny_model, baseline, tmp_path):
+    """An engine killed with SIGKILL (OOM killer, node drain) runs no exit handler: its KV
+    cache region (1 GiB here) must still not outlive it, neither as a /dev/shm file nor
+    as memory the rank's BackendClient actor keeps mapped. What it saved stays a hit."""
+    proc = start_engine(
+        ray_cluster,
+        tmp_path,
+        "killed",
+        {
+            "model": tiny_model,
+            "connector": connector(load_async=False),
+            "runs": [[P3]],
+            "wait_saves_for": "e2e",
+            "hang": True,
+        },
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the actor has mapped the region: the engine saved
+            if line.startswith("engine-run: hanging"):
+                break
+        else:
+            pytest.fail(f"engine exited ({proc.wait()}):\n{proc.stderr.read()[-6000:]}")  # type: ignore[union-attr]
+        regions = [n for names in mapped_regions("kvray-e2e-kv-").values() for n in names]
+        assert any(n.startswith(f"kvray-e2e-kv-{proc.pid}-") for n in regions), regions
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert_no_region_left("a SIGKILLed engine")
+    out = run_engine(
+        ray_cluster, tmp_path, "after-kill",
+        {"model": tiny_model, "connector": connector(load_async=False), "runs": [[P3]]},
+    )  # fmt: skip
+    assert out["runs"][0]["outputs"][0] == baseline["P3"]
+    (line,) = request_lines(out["log"])
+    assert line["hit_pool"] == 3 and line["loaded"] == 3 and line["failed"] == 0

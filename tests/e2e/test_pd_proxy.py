@@ -24,9 +24,10 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
-from .conftest import P1, P2, P3, _alive, request_lines, start_pool
+from .conftest import P1, P2, P3, assert_no_region_left, request_lines, start_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -96,15 +97,25 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM to the server (the scripts exec it), which stops its engine processes;
-        then whatever is left of the session we started gets SIGKILL."""
+        they get time to exit by themselves (a SIGKILLed engine core leaves vLLM's psm_*
+        shared memory behind), then whatever is left of the session gets SIGKILL."""
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
         if self.proc.poll() is None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(60)
+        psutil.wait_procs(group, timeout=30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self._out.close()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def wait_lines(server: Server, n: int, timeout_s: float = 20.0) -> list[dict[str, int]]:
@@ -151,6 +162,7 @@ def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-de
     vllm_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
                  "--no-enable-prefix-caching", "--seed", "0"]  # fmt: skip
     ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    psm_before = set(glob.glob("/dev/shm/psm_*"))  # vLLM's own shared memory
     servers: list[Server] = []
     try:
         for role in ("prefill", "decode"):
@@ -188,10 +200,9 @@ def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-de
         for s in reversed(servers):
             s.stop()
         pool.shutdown()
-    leaked = [
-        f for f in glob.glob("/dev/shm/kvray-kvray-kv-*-*") if not _alive(int(f.rsplit("-", 2)[1]))
-    ]
-    assert not leaked, f"stopped servers left KV regions behind: {leaked}"
+    assert_no_region_left("stopped servers")
+    psm_left = set(glob.glob("/dev/shm/psm_*")) - psm_before
+    assert not psm_left, f"stopped servers left vLLM shared memory behind: {sorted(psm_left)}"
 
 
 def completion(pd, prompt: list[int], **extra) -> dict:  # type: ignore[no-untyped-def]

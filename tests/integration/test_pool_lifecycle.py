@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 
 import numpy as np
 import psutil
@@ -25,6 +26,7 @@ from kvray.naming import (
     placement_group_name,
     region_prefix,
 )
+from kvray.shm import mapped_regions
 
 from .conftest import small_config
 
@@ -39,7 +41,9 @@ def assert_nothing_left(cfg, master_pid=None):
             ray.get_actor(name, namespace=cfg.namespace)
     with pytest.raises(ValueError):
         ray.util.get_placement_group(placement_group_name(cfg.name))
-    assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []
+    assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []  # no file, ever
+    others = {p: n for p, n in mapped_regions(region_prefix(cfg.name)).items() if p != os.getpid()}
+    assert others == {}, "a process other than the driver still maps the pool's regions"
     if master_pid is not None:
         gone = not psutil.pid_exists(master_pid)
         assert gone or psutil.Process(master_pid).status() == psutil.STATUS_ZOMBIE

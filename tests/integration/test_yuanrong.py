@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from kvray.config import DatasystemWorkerConfig, YuanrongConfig
 from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError
 from kvray.naming import backend_name, manager_name, region_prefix
+from kvray.shm import mapped_regions
 
 from .conftest import small_config, stop_and_check
 
@@ -248,7 +250,9 @@ def test_embedded_worker_pool_lifecycle(ray_cluster):
         psutil.Process(spec["server_pid"]).status() == psutil.STATUS_ZOMBIE
     )
     assert not Path(home).exists(), "the pool's worker directory was left behind"
-    assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []
+    assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []  # no file, ever
+    others = {p: n for p, n in mapped_regions(region_prefix(cfg.name)).items() if p != os.getpid()}
+    assert others == {}, "a process other than the driver still maps the pool's regions"
     with pytest.raises(ValueError):
         ray.get_actor(backend_name(cfg.name, 0), namespace=cfg.namespace)
 

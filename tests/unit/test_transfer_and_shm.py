@@ -1,17 +1,23 @@
 import asyncio
+import dataclasses
+import gc
+import glob
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvray.errors import RegionError
-from kvray.shm import RegionSpec, SharedRegion, remove_leftovers
+from kvray.shm import RegionSpec, SharedRegion, orphaned_mappings, remove_leftovers
 from kvray.transfer import TransferBatch
 
 
 @pytest.fixture
-def region(tmp_path):
-    r = SharedRegion.create("kvray-unittest", 4096, shm_dir=tmp_path)
+def region():
+    r = SharedRegion.create("kvray-unittest", 4096)
     yield r
     r.close()
 
@@ -21,27 +27,68 @@ def test_region_shared_between_mappings(region):
     region.array[:4] = [1, 2, 3, 4]
     assert list(other.array[:4]) == [1, 2, 3, 4]
     other.close()
-    assert os.path.exists(region.spec.path)  # only the owner unlinks
-    region.close()
-    assert not os.path.exists(region.spec.path)
+    assert not region.stale()  # an attacher closing does not end the region
+    assert not glob.glob("/dev/shm/kvray-unittest*")  # never a named file
 
 
-def test_attach_errors(tmp_path, region):
-    with pytest.raises(RegionError, match="same node"):
-        SharedRegion.attach(RegionSpec("x", str(tmp_path / "missing"), 10, os.getpid()))
-    too_big = RegionSpec(region.spec.region_id, region.spec.path, 1 << 20, os.getpid())
+def test_attach_errors(region):
+    with pytest.raises(RegionError, match="another node"):
+        SharedRegion.attach(dataclasses.replace(region.spec, node="elsewhere:0"))
     with pytest.raises(RegionError, match="descriptor says"):
-        SharedRegion.attach(too_big)
+        SharedRegion.attach(dataclasses.replace(region.spec, size=1 << 20))
+    with pytest.raises(RegionError, match="names another file"):  # fd number reused
+        SharedRegion.attach(dataclasses.replace(region.spec, inode=region.spec.inode + 1))
+    gone = dataclasses.replace(region.spec, path="/proc/999999999/fd/3", owner_pid=999999999)
+    with pytest.raises(RegionError, match="is gone"):
+        SharedRegion.attach(gone)
 
 
-def test_stale_when_file_gone(region):
-    assert not region.stale()
-    os.unlink(region.spec.path)
-    assert region.stale()
+def test_stale_once_creator_closes(region):
+    other = SharedRegion.attach(region.spec)
+    assert not other.stale()
+    region.close()
+    assert other.stale()
+    assert list(other.array[:1]) == [0]  # the mapping itself stays valid until dropped
+    other.close()
+    with pytest.raises(RegionError, match="is gone"):
+        SharedRegion.attach(region.spec)
+
+
+_CREATOR = """
+import json, sys, time
+from kvray.shm import SharedRegion
+r = SharedRegion.create("kvray-unittest-kv", 1 << 20)
+r.array[:3] = [7, 8, 9]
+s = r.spec
+print(json.dumps([s.region_id, s.path, s.size, s.owner_pid, s.inode, s.node]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_creator_leaves_nothing():
+    """However the creator dies, nothing stays: no file, and once the attacher drops its
+    mapping (as RankStore's sweep does when it sees stale()), no memory either."""
+    proc = subprocess.Popen([sys.executable, "-c", _CREATOR], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        spec = RegionSpec(*json.loads(proc.stdout.readline()))
+        other = SharedRegion.attach(spec)
+        assert list(other.array[:3]) == [7, 8, 9]
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert not glob.glob("/dev/shm/kvray-unittest-kv*")
+    assert other.stale()
+    assert orphaned_mappings("kvray-unittest-kv") == {os.getpid(): [spec.region_id]}
+    other.close()
+    gc.collect()
+    assert orphaned_mappings("kvray-unittest-kv") == {}
 
 
 def test_remove_leftovers_only_dead_owners(tmp_path):
-    live = SharedRegion.create("kvray-p", 4096, shm_dir=tmp_path)
+    """Files that kvray versions before memory-file regions left behind."""
+    live = tmp_path / f"kvray-p-{os.getpid()}-0"
+    live.write_bytes(b"x")
     dead = tmp_path / "kvray-p-999999999-0"
     dead.write_bytes(b"x")
     dead_kv = tmp_path / "kvray-p-kv-999999998-0"  # an engine's KV cache region
@@ -49,8 +96,7 @@ def test_remove_leftovers_only_dead_owners(tmp_path):
     assert sorted(remove_leftovers("kvray-p", shm_dir=tmp_path)) == sorted(
         [dead.name, dead_kv.name]
     )
-    assert os.path.exists(live.spec.path)
-    live.close()
+    assert live.exists()
 
 
 def test_batch_bounds(region):
@@ -115,3 +161,28 @@ def test_concurrent_first_transfers_map_a_region_once(region):
     assert sorted(backend.put_ptrs) == [base, base + 16], "both through the one mapping"
     asyncio.run(store.release_region(region.spec.region_id))
     assert backend.registered == []
+
+
+def test_sweep_drops_a_dead_creators_region():
+    """The store's reconcile loop unmaps and unregisters a region once its creator closed
+    it (or died), without any further transfer: the memory goes back to the kernel."""
+    from kvray.rank_store import REGION_SWEEP_S, RankStore
+
+    backend = SlowRegisterBackend()
+    store = RankStore(backend, 0)  # type: ignore[arg-type]
+    region = SharedRegion.create("kvray-unittest-sweep", 4096)
+
+    async def scenario() -> None:
+        await store.put(TransferBatch.contiguous(region.spec, ["a"], [0], [16]))
+        assert store.stats.regions == 1
+        region.close()
+        for _ in range(int(5 * REGION_SWEEP_S / 0.1)):
+            if store.stats.regions == 0:
+                break
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert store.stats.regions == 0 and backend.registered == []
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        assert "/memfd:kvray-unittest-sweep" not in maps.read()

@@ -75,10 +75,15 @@ class LookupService:
         deadline = time.monotonic() + wait_s
         while True:
             hits, from_ssd = await self._ask(space, keys, len(hashes), timeout_s)
-            if hits < 0:
-                return 0
-            if hits >= want or time.monotonic() + POLL_S > deadline:
+            if hits >= max(want, 0) and hits >= 0:
                 break
+            if time.monotonic() + POLL_S > deadline:
+                if hits < 0:
+                    return 0
+                break
+            # A slow or failed ask while waiting for a prefill is asked again: one busy
+            # moment of the backend must not end the wait (seen on a loaded 2-core host:
+            # the decode gave up after ~1 s of a 30 s pd_wait_ms and recomputed).
             await asyncio.sleep(POLL_S)
         self.stats.lookup_hit_blocks += hits
         self.stats.lookup_ssd_blocks += from_ssd

@@ -54,3 +54,37 @@ def test_lookup_waits_for_blocks_a_prefill_reported():
     assert waited == 3 and backend.asks > asks + 2, "asked again until the 3 blocks were there"
     assert partial == 3
     assert service.stats.lookups == 3 and service.stats.lookup_hit_blocks == 6
+
+
+class SlowOnceExists(FakeExists):
+    """FAKE backend whose first ``exists`` answers after the lookup timeout."""
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        import asyncio
+
+        if self.asks == 0:
+            self.asks += 1
+            await asyncio.sleep(0.5)
+            return [False] * len(keys)
+        return await super().exists(keys)
+
+
+def test_a_slow_ask_does_not_end_a_prefill_wait():
+    """A timed-out ask while waiting for a prefill's blocks is asked again; only a plain
+    lookup (no wait) answers a slow ask as a miss."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import LookupService
+
+    space = KeySpace("m", "float32-b16-h1x8", 1, 1)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    backend = SlowOnceExists()
+    backend.keys.update(space.rank_key_strs(hashes, 0))
+    service = LookupService(backend)  # type: ignore[arg-type]
+    waited = asyncio.run(service.lookup(space, hashes, 0.1, want=3, wait_s=5.0))
+    assert waited == 3 and service.stats.lookup_timeouts == 1
+
+    plain = LookupService(SlowOnceExists())  # type: ignore[arg-type]
+    assert asyncio.run(plain.lookup(space, hashes, 0.1)) == 0
+    assert plain.stats.lookup_timeouts == 1

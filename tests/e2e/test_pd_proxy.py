@@ -131,15 +131,20 @@ def wait_lines(server: Server, n: int, timeout_s: float = 20.0) -> list[dict[str
 
 def config_copy(name: str, tmp: Path) -> Path:
     """A shipped config with the ExampleConnector's directory moved under ``tmp``, and a
-    longer ``pd_wait_ms``: on a shared 2-core machine vLLM's busy-polling workers can
-    slow the prefill a decode waits for by seconds; the test is about what is loaded."""
+    longer ``pd_wait_ms`` and ``lookup_timeout_ms``: on a shared 2-core machine vLLM's
+    busy-polling workers can slow the prefill a decode waits for by seconds, and a pool
+    lookup past 200 ms is a miss that hands the blocks to vLLM's ExampleConnector, which
+    then reads files another server is still writing (seen: its worker died of a shape
+    mismatch). The test is about what is loaded from the pool."""
     cfg = json.loads((ROOT / "configs" / name).read_text())
     for child in cfg["kv_connector_extra_config"]["connectors"]:
         extra = child["kv_connector_extra_config"]
         if child["kv_connector"] == "ExampleConnector":
             extra["shared_storage_path"] = str(tmp / "p2d-kv")
-        elif "pd_wait_ms" in extra:
-            extra["pd_wait_ms"] = 30000
+        elif child["kv_connector"] == "KVRayConnector":
+            extra["lookup_timeout_ms"] = 5000
+            if "pd_wait_ms" in extra:
+                extra["pd_wait_ms"] = 30000
     out = tmp / name
     out.write_text(json.dumps(cfg))
     return out

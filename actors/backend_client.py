@@ -13,7 +13,7 @@ import ray
 from kvray.backends import KeyStatus, make_backend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
-from kvray.naming import ssd_name
+from kvray.launcher import on_this_node
 from kvray.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
@@ -26,19 +26,17 @@ _LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED)
 class BackendClientActor:
     """All methods are async; native calls run on the backend's own thread pool."""
 
-    def __init__(self, config_json: str, rank: int, server_address: str) -> None:
+    def __init__(self, config_json: str, rank: int, server_address: str, ssd: Any = None) -> None:
         logging.basicConfig(level=logging.INFO)
-        config = PoolConfig.model_validate_json(config_json)
+        config = on_this_node(PoolConfig.model_validate_json(config_json))
         self._store = RankStore(make_backend(config, server_address), rank)
-        # Pipeline "<backend>|ssd": the rank's SSD offload actor is the lower tier.
-        self._ssd_name = (
-            (ssd_name(config.name, rank), config.namespace) if config.ssd_tier else None
-        )
-        self._ssd: Any = None
+        self._node_id = ray.get_runtime_context().get_node_id()
+        # Pipeline "<backend>|ssd": the SSD offload actor of the same node and slot is
+        # the lower tier (the manager makes it first and hands it over).
+        assert (ssd is not None) == config.ssd_tier, "an SSD actor exactly with an ssd tier"
+        self._ssd: Any = ssd
 
     def _ssd_actor(self) -> Any:
-        if self._ssd is None and self._ssd_name is not None:
-            self._ssd = ray.get_actor(self._ssd_name[0], namespace=self._ssd_name[1])
         return self._ssd
 
     async def probe(self) -> dict[str, Any]:
@@ -46,7 +44,7 @@ class BackendClientActor:
             "rank": self._store.rank,
             "pid": os.getpid(),
             "probe_hash": probe_hash(),
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": self._node_id,
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:

@@ -1,7 +1,9 @@
-"""Lookup actor: prefix lookups for one rank, through a client that stores nothing."""
+"""Lookup actor: prefix lookups for the schedulers of one node (every rank of an
+instance at once), through a client that stores nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -11,15 +13,16 @@ import ray
 from kvray.backends import make_backend
 from kvray.config import PoolConfig
 from kvray.keys import KeySpace, probe_hash
+from kvray.launcher import on_this_node
 from kvray.lookup import LookupService
 from kvray.naming import ssd_name
 
 
 class LookupActor:
-    def __init__(self, config_json: str, rank: int, server_address: str) -> None:
+    def __init__(self, config_json: str, server_address: str) -> None:
         logging.basicConfig(level=logging.INFO)
-        config = PoolConfig.model_validate_json(config_json)
-        self._rank = rank
+        config = on_this_node(PoolConfig.model_validate_json(config_json))
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
@@ -27,18 +30,24 @@ class LookupActor:
         self._ssd: dict[int, Any] = {}
 
     async def _ssd_exists(self, rank: int, keys: list[str]) -> list[bool]:
-        """Rank ``rank``'s SSD tier (its blocks live on its own node's disk)."""
+        """The SSD tier of this node's slot ``rank``: SSD blocks live on the disk of the
+        node that wrote them, so a lookup counts this node's own only."""
         actor = self._ssd.get(rank)
         if actor is None:
-            actor = ray.get_actor(
-                ssd_name(self._config.name, rank), namespace=self._config.namespace
-            )
+            try:
+                actor = await asyncio.to_thread(
+                    ray.get_actor,
+                    ssd_name(self._config.name, self._node_id, rank),
+                    namespace=self._config.namespace,
+                )
+            except ValueError:  # no worker of that rank ever ran here: nothing on disk
+                return [False] * len(keys)
             self._ssd[rank] = actor
         present: list[bool] = await actor.exists.remote(keys)
         return present
 
     async def probe(self) -> dict[str, Any]:
-        return {"rank": self._rank, "probe_hash": probe_hash()}
+        return {"node_id": self._node_id, "probe_hash": probe_hash()}
 
     async def lookup(
         self,
@@ -51,7 +60,7 @@ class LookupActor:
         return await self._service.lookup(space, hashes, timeout_s, want, wait_s)
 
     async def snapshot(self) -> dict[str, Any]:
-        return {"rank": self._rank, "stats": self._service.stats.to_dict()}
+        return {"node_id": self._node_id, "stats": self._service.stats.to_dict()}
 
     async def close(self) -> None:
         await self._service.backend.close()

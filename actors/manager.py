@@ -1,9 +1,12 @@
-"""PoolManager actor: owns a pool's spec and, in embedded mode, the backend's server:
-a ``mooncake_master``, a datasystem worker with its embedded metastore, or a MemCache
-MetaService."""
+"""PoolManager actor: owns a pool's spec, makes and registers the pool's node actors
+(each node's clients per slot and its Lookup), and, in embedded mode, runs the backend's
+server: a ``mooncake_master``, a datasystem worker with its embedded metastore, or a
+MemCache MetaService."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import tempfile
 import time
@@ -11,10 +14,14 @@ from typing import Any
 
 import ray
 
+from kvray import launcher
 from kvray.config import PoolConfig
 from kvray.datasystem import DatasystemWorker
+from kvray.errors import BackendUnavailableError
 from kvray.master import MooncakeMaster
 from kvray.mmc_meta import MetaService
+
+logger = logging.getLogger(__name__)
 
 SERVER_KIND = {
     "mooncake": "mooncake_master",
@@ -23,8 +30,15 @@ SERVER_KIND = {
 }
 
 
+GONE_NODE_FORGET_S = 300.0
+"""How long a dead node's actors stay listed (``kvray status`` shows them "node gone")
+before the manager forgets them; a node that comes back gets new ones (a new node id)."""
+RECONCILE_S = 15.0
+
+
 class PoolManagerActor:
-    """One per pool. The embedded server is its child and dies with it."""
+    """One per pool. The embedded server is its child and dies with it; the node actors
+    it makes are its own (a non-detached pool's die with it)."""
 
     def __init__(self, config_json: str) -> None:
         self._config = config = PoolConfig.model_validate_json(config_json)
@@ -59,6 +73,94 @@ class PoolManagerActor:
                 address = self._server.start()
         self._address = address
         self._started_at = time.time()
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._actor_config_json = launcher.actor_config(config, self._resolved)
+        self._nodes: dict[tuple[str, int], launcher.NodeActors] = {}
+        self._lookups: dict[str, Any] = {}
+        self._making: dict[Any, asyncio.Lock] = {}
+        self._gone_since: dict[str, float] = {}
+        self._reconciler: asyncio.Task[None] | None = None
+
+    def _ensure_reconciler(self) -> None:
+        # Started from the first async call: __init__ runs before the actor's loop does.
+        if self._reconciler is None:
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile())
+
+    async def _reconcile(self) -> None:
+        """Reconcile loop: forget the actors of nodes dead for GONE_NODE_FORGET_S."""
+        while True:
+            await asyncio.sleep(RECONCILE_S)
+            try:
+                await self.forget_gone_nodes(GONE_NODE_FORGET_S)
+            except Exception:
+                logger.exception("pool %s: reconcile pass failed", self._config.name)
+
+    async def forget_gone_nodes(self, after_s: float) -> list[str]:
+        """Drop the actors of nodes Ray has reported dead for ``after_s``; returns them."""
+        cluster = await asyncio.to_thread(ray.nodes)
+        alive = {n["NodeID"] for n in cluster if n["Alive"]}
+        now = time.monotonic()
+        forgotten = []
+        for node in {k[0] for k in self._nodes} | set(self._lookups):
+            if node in alive:
+                self._gone_since.pop(node, None)
+                continue
+            if now - self._gone_since.setdefault(node, now) < after_s:
+                continue
+            for key in [k for k in self._nodes if k[0] == node]:
+                del self._nodes[key]
+            self._lookups.pop(node, None)
+            self._gone_since.pop(node, None)
+            forgotten.append(node)
+            logger.info("pool %s: forgot the actors of node %s (gone)", self._config.name, node)
+        return forgotten
+
+    def _check_node(self, node_id: str) -> None:
+        # The embedded datasystem worker serves its own node's shared memory only.
+        if self._config.backend == "yuanrong" and self._server and node_id != self._node_id:
+            raise BackendUnavailableError(
+                f"pool {self._config.name!r} runs an embedded datasystem worker on node "
+                f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: run a "
+                "worker per node (scripts/datasystem_cluster.py) and set "
+                "yuanrong.worker_address / rank_worker_addresses, or keep engines on the "
+                "pool's node"
+            )
+
+    async def node_actors(self, node_id: str, slot: int) -> launcher.NodeActors:
+        """Slot ``slot``'s actors on ``node_id``, made on first request (idempotent)."""
+        self._ensure_reconciler()
+        self._check_node(node_id)
+        key = (node_id, slot)
+        async with self._making.setdefault(key, asyncio.Lock()):
+            if key not in self._nodes:
+                self._nodes[key] = await launcher.create_node_actors(
+                    self._config, self._actor_config_json, self._address, node_id, slot
+                )
+        return self._nodes[key]
+
+    async def lookup_actor(self, node_id: str) -> Any:
+        """``node_id``'s Lookup actor, made on first request (idempotent)."""
+        self._check_node(node_id)
+        async with self._making.setdefault(node_id, asyncio.Lock()):
+            if node_id not in self._lookups:
+                address = launcher.rank_address(self._config, 0, self._address)
+                self._lookups[node_id] = await launcher.create_lookup_actor(
+                    self._config, self._actor_config_json, address, node_id
+                )
+        return self._lookups[node_id]
+
+    async def nodes(self) -> list[launcher.NodeActors]:
+        """Every node actor made so far, by node then slot."""
+        return [self._nodes[k] for k in sorted(self._nodes)]
+
+    async def lookups(self) -> dict[str, Any]:
+        return dict(self._lookups)
+
+    async def all_actors(self) -> list[Any]:
+        """Every actor this manager made (for shutdown)."""
+        actors = [a.client for a in self._nodes.values()]
+        actors += [a.ssd for a in self._nodes.values() if a.ssd is not None]
+        return actors + list(self._lookups.values())
 
     async def spec(self) -> dict[str, Any]:
         return {

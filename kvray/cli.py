@@ -38,7 +38,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = PoolConfig.from_dict(overrides, source="command line")
     args.namespace = config.namespace
     _connect(args)
-    print(f"starting kvray pool {config.name!r} ({config.world_size} rank(s)) ...", flush=True)
+    print(
+        f"starting kvray pool {config.name!r} ({config.world_size} client(s) per node) ...",
+        flush=True,
+    )
     handles = launcher.launch(config)
     server = {"mooncake": "mooncake_master", "yuanrong": "datasystem worker"}.get(
         config.backend, "MemCache MetaService"

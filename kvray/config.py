@@ -200,8 +200,10 @@ class MooncakeConfig(_Strict):
     prefer_alloc_in_same_node: bool = True
     """Prefer segments on the writer's node. Mooncake 0.3.13 rejects this flag on its
     zero-copy batch puts, so kvray implements it by preferring the local segment."""
-    local_hostname: str = "127.0.0.1"
-    """Address this client advertises to peers (the node's address on a real cluster)."""
+    local_hostname: str | None = None
+    """Address this client advertises to peers. Unset: the address Ray knows the client's
+    node by (each node's clients advertise their own); set it only for a one-node pool
+    or an interface other than Ray's."""
     fabric_mem: bool = False
     """``ASCEND_ENABLE_USE_FABRIC_MEM=1``: segments must be multiples of 1 GiB."""
     enable_ssd_offload: bool = False
@@ -737,7 +739,10 @@ class PoolConfig(_Strict):
     """Storage backend: ``mooncake``, ``yuanrong`` (openYuanrong datasystem) or
     ``memcache`` (Huawei MemCache; its data path needs the Ascend driver)."""
     world_size: int = Field(1, ge=1, le=4096)
-    """Ranks (TP x PP x DP workers) the pool serves; one BackendClient + Lookup each."""
+    """Clients per node: one BackendClient (and SSD actor) per local device/rank ("slot"
+    ``0..world_size-1``), made on a node when a worker (or a Pool API call) there first
+    uses it; the starting node's are made at start. At least the most engine workers
+    any node runs (8 for TP8 on 8-card nodes); each client contributes its segment."""
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
     """Mooncake client settings (``mooncake.json``)."""
     master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
@@ -755,10 +760,12 @@ class PoolConfig(_Strict):
     both, load from DRAM and fall back to SSD for misses, as UCM's ``Mooncake|Posix``)."""
     ssd: SsdConfig | None = None
     """kvray's SSD tier (needed by a pipeline with ``ssd``)."""
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """Placement-group strategy for the per-rank bundles."""
     cpus_per_rank: float = Field(0.1, ge=0)
-    """CPU reserved per rank bundle (shared by its BackendClient and Lookup actors)."""
+    """CPU Ray reserves for each BackendClient (and SSD) actor on its node."""
+    replica_num: int = Field(1, ge=1, le=16)
+    """Copies of each block, in distinct segments (UCM's key; Mooncake's
+    ``ReplicateConfig.replica_num``): with 2 a block survives the loss of one node's
+    segment. The first copy goes to the writer's own segment."""
     io_threads: int = Field(4, ge=1, le=64)
     """Threads each BackendClient uses for the backend's blocking batch calls."""
     transfer_window_size: ByteSize = 64 * MiB
@@ -769,6 +776,26 @@ class PoolConfig(_Strict):
     """Timeout of one Pool API lookup call."""
     detached: bool = True
     """Pool actors outlive the process that started them (``kvray down`` stops them)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "placement_strategy" in data:
+            raise ValueError(
+                "placement_strategy was removed: kvray places each client on the node of the "
+                "worker that uses it (no placement group); delete the key"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _replicas(self) -> PoolConfig:
+        if self.replica_num > 1 and self.backend != "mooncake":
+            raise ValueError(
+                f"replica_num {self.replica_num} needs backend mooncake: the {self.backend} "
+                "client kvray uses has no per-put replica count (its servers own placement); "
+                "set replica_num: 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rank_addresses(self) -> PoolConfig:

@@ -3,16 +3,24 @@
 All Ray placement decisions are made here, and this is the only module of the ``kvray``
 package that imports the actor shells of ``kvray.actors``.
 
-A pool is: a placement group with one bundle per rank, a PoolManager actor (the spec,
-and the backend's embedded server when no address is configured: ``mooncake_master``,
-or a datasystem worker with its own metastore) and, per
-rank, a BackendClient actor and a Lookup actor in that rank's bundle. Every actor is
-named and namespaced; starting is idempotent (``get_if_exists``) and refuses a running
-pool of the same name with a different config.
+A pool is cluster-wide: a PoolManager actor (the spec, the registry of the pool's node
+actors, and the backend's embedded server when no address is configured:
+``mooncake_master``, a datasystem worker with its own metastore, or a MemCache
+MetaService) on the node that started it. The pool's clients belong to the nodes that use
+it: on each node, per local device/rank ("slot", ``0..world_size-1``), a BackendClient
+actor (the backend's client and the memory segment it contributes, "per card") and, with
+an ``<backend>|ssd`` pipeline, an SSD offload actor; and one Lookup actor per node for the
+schedulers there. They are created on first use from that node (an engine worker
+attaching, a Pool API call), by the manager, pinned to the node (hard node affinity):
+the KV bytes move through that node's shared memory. Names carry the node id and slot,
+so a restarted engine on the same node and device finds the same actor and segment.
+Starting is idempotent (``get_if_exists``) and refuses a running pool of the same name
+with a different config.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvray.config import PoolConfig
 from kvray.errors import (
@@ -32,7 +39,7 @@ from kvray.errors import (
 )
 from kvray.keys import probe_hash
 from kvray.naming import (
-    backend_name,
+    client_name,
     lookup_name,
     manager_name,
     placement_group_name,
@@ -53,17 +60,106 @@ _ACTOR_ENV = {
 
 
 @dataclass
+class NodeActors:
+    """One slot's actors on one node (what the manager hands out)."""
+
+    node_id: str
+    slot: int
+    client: Any
+    ssd: Any = None
+
+
+@dataclass
 class PoolHandles:
-    """The running actors of one pool."""
+    """A process's handles to one running pool: the manager, and the actors of this
+    process's own node, fetched (created if need be) on first use."""
 
     config: PoolConfig
     server_address: str
     embedded: bool
     manager: Any
-    backends: list[Any]
-    lookups: list[Any]
-    ssds: list[Any] = field(default_factory=list)
-    """Per-rank SSD offload actors (pipeline ``<backend>|ssd``), else empty."""
+    node_id: str
+    """The node this process runs on: its clients live there."""
+    _clients: dict[int, NodeActors] = field(default_factory=dict)
+    _lookup: Any = None
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.config.world_size:
+            raise ValueError(
+                f"rank must be in 0..{self.config.world_size - 1} (the pool's world_size: "
+                f"clients per node), got {slot}"
+            )
+
+    def slot(self, slot: int) -> NodeActors:
+        """Slot ``slot``'s actors on this node (blocking; not for an event loop)."""
+        self._check_slot(slot)
+        if slot not in self._clients:
+            ref = self.manager.node_actors.remote(self.node_id, slot)
+            self._clients[slot] = _node_result(_get(ref, f"clients of slot {slot}"))
+        return self._clients[slot]
+
+    async def aslot(self, slot: int) -> NodeActors:
+        self._check_slot(slot)
+        if slot not in self._clients:
+            ref = self.manager.node_actors.remote(self.node_id, slot)
+            self._clients[slot] = _node_result(await _aget(ref, f"clients of slot {slot}"))
+        return self._clients[slot]
+
+    def client(self, slot: int) -> Any:
+        return self.slot(slot).client
+
+    async def aclient(self, slot: int) -> Any:
+        return (await self.aslot(slot)).client
+
+    def known_clients(self) -> list[Any]:
+        """The clients this process has used (no creation)."""
+        return [a.client for a in self._clients.values()]
+
+    def lookup(self) -> Any:
+        """This node's Lookup actor (blocking; not for an event loop)."""
+        if self._lookup is None:
+            self._lookup = _get(self.manager.lookup_actor.remote(self.node_id), "lookup actor")
+        return self._lookup
+
+    async def alookup(self) -> Any:
+        if self._lookup is None:
+            ref = self.manager.lookup_actor.remote(self.node_id)
+            self._lookup = await _aget(ref, "lookup actor")
+        return self._lookup
+
+
+def _node_result(got: Any) -> NodeActors:
+    assert isinstance(got, NodeActors), f"manager answered {type(got).__name__}: kvray's bug"
+    return got
+
+
+def _unwrap(exc: ray.exceptions.RayTaskError, what: str) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, Exception):
+        return cause
+    return BackendUnavailableError(f"{what}: {_actor_error(exc)}")
+
+
+def _get(ref: Any, what: str) -> Any:
+    try:
+        return ray.get(ref, timeout=_START_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as exc:
+        raise _unwrap(exc, what) from exc
+    except ray.exceptions.RayActorError as exc:
+        raise BackendUnavailableError(f"{what}: the pool manager is gone ({exc})") from exc
+    except ray.exceptions.GetTimeoutError as exc:
+        raise BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s") from exc
+
+
+async def _aget(ref: Any, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(ref, _START_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as exc:
+        raise _unwrap(exc, what) from exc
+    except ray.exceptions.RayActorError as exc:
+        raise BackendUnavailableError(f"{what}: the pool manager is gone ({exc})") from exc
+    except TimeoutError as exc:
+        raise BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s") from exc
 
 
 def _actor_error(exc: BaseException) -> str:
@@ -73,32 +169,6 @@ def _actor_error(exc: BaseException) -> str:
         if "Error" in line and ":" in line:
             return line.strip()
     return text.strip().splitlines()[-1] if text.strip() else repr(exc)
-
-
-def _get_placement_group(config: PoolConfig) -> PlacementGroup:
-    name = placement_group_name(config.name)
-    try:
-        existing: PlacementGroup = ray.util.get_placement_group(name)
-        return existing
-    except ValueError:
-        pass
-    pg = placement_group(
-        [{"CPU": config.cpus_per_rank}] * config.world_size,
-        strategy=config.placement_strategy,
-        name=name,
-        lifetime="detached" if config.detached else None,
-    )
-    try:
-        ray.get(pg.ready(), timeout=_START_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError as exc:
-        remove_placement_group(pg)
-        raise BackendUnavailableError(
-            f"placement group for {config.world_size} ranks x {config.cpus_per_rank} CPU "
-            f"({config.placement_strategy}) could not be placed in {_START_TIMEOUT_S:.0f} s: "
-            "the cluster lacks the resources; lower cpus_per_rank or add nodes"
-        ) from exc
-    created: PlacementGroup = pg
-    return created
 
 
 def _options(config: PoolConfig, name: str, **kw: Any) -> dict[str, Any]:
@@ -112,12 +182,19 @@ def _options(config: PoolConfig, name: str, **kw: Any) -> dict[str, Any]:
     }
 
 
+def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    # Hard affinity: a client elsewhere could not map the node's shared memory.
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def current_node_id() -> str:
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def launch(config: PoolConfig) -> PoolHandles:
-    """Start the pool ``config`` describes, or return the running one of that name."""
-    from kvray.actors.backend_client import BackendClientActor
-    from kvray.actors.lookup import LookupActor
+    """Start the pool ``config`` describes, or return the running one of that name; the
+    calling node's clients of slots ``0..world_size-1`` are up when this returns."""
     from kvray.actors.manager import PoolManagerActor
-    from kvray.actors.ssd import SsdOffloadActor
 
     if not ray.is_initialized():
         raise BackendUnavailableError(
@@ -125,102 +202,125 @@ def launch(config: PoolConfig) -> PoolHandles:
         )
     started = time.monotonic()
     config_json = config.model_dump_json()
-    pg = _get_placement_group(config)
-    created: list[Any] = []
-    try:
-        manager = (
-            ray.remote(PoolManagerActor)
-            .options(
-                **_options(
-                    config,
-                    manager_name(config.name),
-                    num_cpus=0,
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-                )
-            )
-            .remote(config_json)
-        )
-        created.append(manager)
-        try:
-            spec = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)
-        except ray.exceptions.RayActorError as exc:
-            raise BackendUnavailableError(
-                f"pool manager failed to start: {_actor_error(exc)}"
-            ) from exc
-        if spec["config_json"] != config_json:
-            created.clear()  # not ours to tear down
-            raise PoolConflictError(
-                f"pool {config.name!r} already runs in namespace {config.namespace!r} with a "
-                "different config: attach to it (Pool.attach / kvray status), stop it "
-                "(kvray down), or choose another name"
-            )
-        address = spec["server_address"]
-        actor_config_json = _actor_config(config, spec.get("resolved") or {})
-        rank_address = [_rank_address(config, rank, address) for rank in range(config.world_size)]
-        per_actor_cpu = config.cpus_per_rank / (3 if config.ssd_tier else 2)
-        backends, lookups, ssds = [], [], []
-
-        def rank_actor(cls: type, name: str, rank: int, concurrency: int, *args: Any) -> Any:
-            """A restartable per-rank actor in the rank's placement-group bundle."""
-            opts = _options(
+    node_id = current_node_id()
+    manager = (
+        ray.remote(PoolManagerActor)
+        .options(
+            **_options(
                 config,
-                name,
-                num_cpus=per_actor_cpu,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
-                max_restarts=-1,
-                max_task_retries=3,
-                max_concurrency=concurrency,
+                manager_name(config.name),
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=_on_node(node_id),
             )
-            return ray.remote(cls).options(**opts).remote(actor_config_json, rank, *args)
-
-        for rank in range(config.world_size):
-            if config.ssd_tier:
-                ssds.append(rank_actor(SsdOffloadActor, ssd_name(config.name, rank), rank, 32))
-            address_r = rank_address[rank]
-            backends.append(
-                rank_actor(BackendClientActor, backend_name(config.name, rank), rank, 32, address_r)
-            )
-            lookups.append(
-                rank_actor(LookupActor, lookup_name(config.name, rank), rank, 64, address_r)
-            )
-        created += backends + lookups + ssds
-        probes = _check_started(backends + lookups + ssds)
-        if config.backend == "yuanrong" and spec["embedded"]:
-            _check_one_node(spec, probes[: config.world_size])
+        )
+        .remote(config_json)
+    )
+    try:
+        spec = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)
+    except ray.exceptions.RayActorError as exc:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(manager, no_restart=True)
+        raise BackendUnavailableError(f"pool manager failed to start: {_actor_error(exc)}") from exc
+    if spec["config_json"] != config_json:
+        raise PoolConflictError(
+            f"pool {config.name!r} already runs in namespace {config.namespace!r} with a "
+            "different config: attach to it (Pool.attach / kvray status), stop it "
+            "(kvray down), or choose another name"
+        )
+    handles = PoolHandles(config, spec["server_address"], bool(spec["embedded"]), manager, node_id)
+    try:
+        for slot in range(config.world_size):
+            handles.slot(slot)
+        handles.lookup()
     except BaseException:
-        if created:
-            # Stop the embedded server cleanly (its directory goes with it) before the
-            # manager is killed; a manager that failed to start has nothing to stop.
-            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                ray.get(created[0].stop.remote(), timeout=30)
-        for actor in created:
-            ray.kill(actor, no_restart=True)
-        if created:
-            remove_placement_group(pg)
-        if config.backend == "memcache":
-            from kvray.backends.memcache import remove_stale_local_confs
-
-            # Killed actors leave their client conf behind (node-local cleanup); give
-            # the killed processes a moment to exit first.
-            time.sleep(1)
-            remove_stale_local_confs()
+        _teardown(handles)
         raise
     logger.info(
-        "kvray pool %r: %d rank(s), backend %s at %s (%s), ready in %.1f s",
+        "kvray pool %r: %d client(s) on node %s, backend %s at %s (%s), ready in %.1f s",
         config.name,
         config.world_size,
+        node_id[:12],
         config.backend,
-        address,
+        handles.server_address,
         f"embedded {spec['server_kind']}"
         if spec["embedded"]
         else f"external {spec['server_kind']}",
         time.monotonic() - started,
     )
-    return PoolHandles(config, address, bool(spec["embedded"]), manager, backends, lookups, ssds)
+    return handles
 
 
-def _actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
+async def create_node_actors(
+    config: PoolConfig,
+    actor_config_json: str,
+    server_address: str,
+    node_id: str,
+    slot: int,
+) -> NodeActors:
+    """Find or create slot ``slot``'s actors on ``node_id`` and wait until they answer
+    (called by the pool manager, which owns them)."""
+    from kvray.actors.backend_client import BackendClientActor
+    from kvray.actors.ssd import SsdOffloadActor
+
+    def node_actor(cls: type, name: str, concurrency: int, *args: Any) -> Any:
+        opts = _options(
+            config,
+            name,
+            num_cpus=config.cpus_per_rank,
+            scheduling_strategy=_on_node(node_id),
+            max_restarts=-1,
+            max_task_retries=3,
+            max_concurrency=concurrency,
+        )
+        return ray.remote(cls).options(**opts).remote(actor_config_json, slot, *args)
+
+    ssd = None
+    if config.ssd_tier:
+        ssd = node_actor(SsdOffloadActor, ssd_name(config.name, node_id, slot), 32)
+    client = node_actor(
+        BackendClientActor,
+        client_name(config.name, node_id, slot),
+        32,
+        rank_address(config, slot, server_address),
+        ssd,
+    )
+    made = [client] + ([ssd] if ssd is not None else [])
+    try:
+        await _check_started(made, node_id, config)
+    except BaseException:
+        for actor in made:  # a broken actor must not be found by name next time
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(actor, no_restart=True)
+        raise
+    return NodeActors(node_id, slot, client, ssd)
+
+
+async def create_lookup_actor(
+    config: PoolConfig, actor_config_json: str, server_address: str, node_id: str
+) -> Any:
+    from kvray.actors.lookup import LookupActor
+
+    opts = _options(
+        config,
+        lookup_name(config.name, node_id),
+        num_cpus=0,
+        scheduling_strategy=_on_node(node_id),
+        max_restarts=-1,
+        max_task_retries=3,
+        max_concurrency=64,
+    )
+    actor = ray.remote(LookupActor).options(**opts).remote(actor_config_json, server_address)
+    try:
+        await _check_started([actor], node_id, config)
+    except BaseException:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(actor, no_restart=True)
+        raise
+    return actor
+
+
+def actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
     """The config the rank actors get: the pool's, with what the embedded server chose
     (MemCache clients need the MetaService's config-store url as well as its url)."""
     if config.backend == "memcache" and resolved:
@@ -229,48 +329,48 @@ def _actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
     return config.model_dump_json()
 
 
-def _rank_address(config: PoolConfig, rank: int, server_address: str) -> str:
-    """The server rank ``rank``'s clients connect to."""
+def on_this_node(config: PoolConfig) -> PoolConfig:
+    """``config`` with what depends on the node filled in (called inside node actors):
+    a Mooncake client advertises the address Ray knows its node by."""
+    if config.backend == "mooncake" and config.mooncake.local_hostname is None:
+        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        mooncake = config.mooncake.model_copy(update={"local_hostname": address})
+        return config.model_copy(update={"mooncake": mooncake})
+    return config
+
+
+def rank_address(config: PoolConfig, slot: int, server_address: str) -> str:
+    """The server slot ``slot``'s clients connect to."""
     if config.backend == "yuanrong":
-        return config.yuanrong.address_for(rank) or server_address
+        return config.yuanrong.address_for(slot) or server_address
     return server_address
 
 
-def _check_one_node(spec: dict[str, Any], probes: list[dict[str, Any]]) -> None:
-    """The embedded datasystem worker serves its own node only (shared memory)."""
-    away = [p["rank"] for p in probes if p["node_id"] != spec["node_id"]]
-    if away:
-        raise BackendUnavailableError(
-            f"rank(s) {away} were placed on another node than the pool's embedded datasystem "
-            "worker, which serves only its own node: run a worker per node (scripts/"
-            "datasystem_cluster.py) and set yuanrong.worker_address / rank_worker_addresses, "
-            "or keep the pool on one node (placement_strategy: STRICT_PACK)"
-        )
-
-
-def _check_started(actors: list[Any]) -> list[dict[str, Any]]:
+async def _check_started(actors: list[Any], node_id: str, config: PoolConfig) -> None:
     """Wait for every actor; refuse to run if any derives another probe hash."""
     expected = probe_hash()
-    refs = [a.probe.remote() for a in actors]
-    probes = []
-    for ref in refs:
+    for actor in actors:
         try:
-            got = ray.get(ref, timeout=_START_TIMEOUT_S)
+            got = await asyncio.wait_for(actor.probe.remote(), _START_TIMEOUT_S)
         except ray.exceptions.RayActorError as exc:
             raise BackendUnavailableError(
-                f"a pool actor failed to start: {_actor_error(exc)}"
+                f"a pool actor on node {node_id[:12]} failed to start: {_actor_error(exc)}"
+            ) from exc
+        except TimeoutError as exc:
+            raise BackendUnavailableError(
+                f"a pool actor on node {node_id[:12]} did not start in {_START_TIMEOUT_S:.0f} "
+                f"s: is the node alive, with {config.cpus_per_rank} CPU free (cpus_per_rank)?"
             ) from exc
         if got["probe_hash"] != expected:
             raise HashMismatchError(
-                f"rank {got['rank']} derives block hash {got['probe_hash']} for the probe, this "
-                f"process {expected}: install the same kvray version on every node"
+                f"an actor on node {node_id[:12]} derives block hash {got['probe_hash']} for "
+                f"the probe, the pool manager {expected}: install the same kvray version on "
+                "every node"
             )
-        probes.append(got)
-    return probes
 
 
 def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
-    """Handles to the running pool ``name``."""
+    """Handles to the running pool ``name``, for this process's node."""
     try:
         manager = ray.get_actor(manager_name(name), namespace=namespace)
     except ValueError as exc:
@@ -278,34 +378,21 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
             f"no kvray pool {name!r} in Ray namespace {namespace!r}: start one with "
             "`kvray up` or Pool.start()"
         ) from exc
-    manager_spec: dict[str, Any] = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)  # type: ignore[assignment]  # ray.get overloads on an untyped ref
-    config = PoolConfig.model_validate_json(manager_spec["config_json"])
-    backends = [
-        ray.get_actor(backend_name(name, r), namespace=namespace) for r in range(config.world_size)
-    ]
-    lookups = [
-        ray.get_actor(lookup_name(name, r), namespace=namespace) for r in range(config.world_size)
-    ]
-    ssds = (
-        [ray.get_actor(ssd_name(name, r), namespace=namespace) for r in range(config.world_size)]
-        if config.ssd_tier
-        else []
-    )
+    spec: dict[str, Any] = _get(manager.spec.remote(), f"pool {name!r}")
+    config = PoolConfig.model_validate_json(spec["config_json"])
     return PoolHandles(
-        config,
-        manager_spec["server_address"],
-        bool(manager_spec["embedded"]),
-        manager,
-        backends,
-        lookups,
-        ssds,
+        config, spec["server_address"], bool(spec["embedded"]), manager, current_node_id()
     )
 
 
-def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
-    """Close clients, stop the embedded server, kill the actors, free the bundles."""
-    rank_actors = handles.backends + handles.lookups + handles.ssds
-    closing = [a.close.remote() for a in rank_actors]
+def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
+    """Close and kill every node actor the manager made, stop its server, kill it."""
+    try:
+        actors: list[Any] = ray.get(handles.manager.all_actors.remote(), timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        logger.warning("pool manager did not list its actors (%s)", exc)
+        actors = []
+    closing = [a.close.remote() for a in actors]
     ready, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
     if len(ready) < len(closing):
         logger.warning(
@@ -313,20 +400,31 @@ def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
             len(closing) - len(ready),
             timeout_s,
         )
-    for actor in rank_actors:
-        ray.kill(actor, no_restart=True)
+    for actor in actors:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(actor, no_restart=True)
     try:
         ray.get(handles.manager.stop.remote(), timeout=timeout_s)
     except (ray.exceptions.RayError, TimeoutError) as exc:
         logger.warning("pool manager did not stop cleanly (%s); killing it", exc)
-    ray.kill(handles.manager, no_restart=True)
-    with contextlib.suppress(ValueError):  # already removed
-        remove_placement_group(
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.kill(handles.manager, no_restart=True)
+    # Pools of earlier kvray versions placed their ranks in a placement group.
+    with contextlib.suppress(ValueError):
+        ray.util.remove_placement_group(
             ray.util.get_placement_group(placement_group_name(handles.config.name))
         )
     remove_leftovers(region_prefix(handles.config.name))
     if handles.config.backend == "memcache":
         from kvray.backends.memcache import remove_stale_local_confs
 
+        # Killed actors leave their client conf behind (node-local cleanup); give
+        # the killed processes a moment to exit first.
+        time.sleep(1)
         remove_stale_local_confs()
+
+
+def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
+    """Close clients, stop the embedded server, kill the actors."""
+    _teardown(handles, timeout_s)
     logger.info("kvray pool %r stopped", handles.config.name)

@@ -1,6 +1,7 @@
-"""Names of a pool's Ray actors, placement group and shared-memory files.
+"""Names of a pool's Ray actors and shared regions.
 
-Every process finds its rank's actors with ``ray.get_actor(name, namespace=...)``.
+Node actors carry their node id and slot (local device/rank), so a restarted engine on
+the same node and device finds the same actor (``get_if_exists``).
 """
 
 from __future__ import annotations
@@ -10,22 +11,26 @@ def manager_name(pool: str) -> str:
     return f"{pool}.manager"
 
 
-def backend_name(pool: str, rank: int) -> str:
-    return f"{pool}.backend.{rank}"
+def client_name(pool: str, node_id: str, slot: int) -> str:
+    """The BackendClient of local device/rank ``slot`` on node ``node_id``."""
+    return f"{pool}.client.{node_id}.{slot}"
 
 
-def lookup_name(pool: str, rank: int) -> str:
-    return f"{pool}.lookup.{rank}"
+def lookup_name(pool: str, node_id: str) -> str:
+    """The Lookup actor of node ``node_id`` (serves every scheduler there)."""
+    return f"{pool}.lookup.{node_id}"
 
 
-def ssd_name(pool: str, rank: int) -> str:
-    return f"{pool}.ssd.{rank}"
+def ssd_name(pool: str, node_id: str, slot: int) -> str:
+    """The SSD offload actor of local device/rank ``slot`` on node ``node_id``."""
+    return f"{pool}.ssd.{node_id}.{slot}"
 
 
 def placement_group_name(pool: str) -> str:
+    """The placement group pools of kvray versions before per-node clients used."""
     return f"{pool}.pg"
 
 
 def region_prefix(pool: str) -> str:
-    """Prefix of the pool's files under /dev/shm: ``kvray-<pool>-<pid>-<n>``."""
+    """Prefix of the pool's shared regions: ``kvray-<pool>[-kv]-<pid>-<n>``."""
     return f"kvray-{pool}"

@@ -227,7 +227,7 @@ class Pool:
     async def _release_regions(self) -> None:
         regions = self._regions + ([self._window] if self._window else [])
         for region in regions:
-            for actor in self._h.backends:
+            for actor in self._h.known_clients():
                 # On failure the actor drops its mapping itself once we closed the region.
                 with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                     await asyncio.wait_for(actor.release_region.remote(region.spec.region_id), 5)
@@ -246,10 +246,9 @@ class Pool:
 
     # ---- data plane ------------------------------------------------------------------
 
-    def _actor(self, rank: int) -> Any:
-        if not 0 <= rank < len(self._h.backends):
-            raise ValueError(f"rank must be in 0..{len(self._h.backends) - 1}, got {rank}")
-        return self._h.backends[rank]
+    async def _actor(self, rank: int) -> Any:
+        """This node's client of slot ``rank`` (made on first use)."""
+        return await self._h.aclient(rank)
 
     async def _call(self, ref: Any, what: str) -> Any:
         try:
@@ -270,7 +269,7 @@ class Pool:
         self, op: str, keys: list[str], views: list[np.ndarray], rank: int, overwrite: bool = False
     ) -> list[KeyStatus]:
         """Move ``views`` (put: from, get: into) in as few actor calls as possible."""
-        actor = self._actor(rank)
+        actor = await self._actor(rank)
         statuses: list[KeyStatus | None] = [None] * len(keys)
         direct: dict[str, list[tuple[int, int]]] = {}
         staged: list[int] = []
@@ -412,7 +411,9 @@ class Pool:
         return res[0] if single else res
 
     async def _exists(self, keys: list[str], rank: int) -> list[bool]:
-        result: list[bool] = await self._call(self._actor(rank).exists.remote(keys), "exists")
+        result: list[bool] = await self._call(
+            (await self._actor(rank)).exists.remote(keys), "exists"
+        )
         return result
 
     def exists(self, keys: Sequence[Key], *, rank: int = 0) -> list[bool]:
@@ -423,7 +424,7 @@ class Pool:
 
     async def _remove(self, keys: list[str], rank: int, force: bool) -> list[KeyStatus]:
         result: list[KeyStatus] = await self._call(
-            self._actor(rank).remove.remote(keys, force), "remove"
+            (await self._actor(rank)).remove.remote(keys, force), "remove"
         )
         return result
 
@@ -441,38 +442,28 @@ class Pool:
     # The actor answers a miss after timeout_s; the margin covers the Ray call itself.
 
     def lookup(
-        self,
-        space: KeySpace,
-        block_hashes: Iterable[bytes],
-        *,
-        rank: int = 0,
-        timeout_s: float | None = None,
+        self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None
     ) -> int:
-        """Leading blocks of ``block_hashes`` present for every rank of ``space``; a
-        lookup that fails or times out is a miss (0), logged."""
+        """Leading blocks of ``block_hashes`` present for every rank of ``space`` (asked of
+        this node's Lookup actor); a lookup that fails or times out is a miss (0), logged."""
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
-        ref = self._h.lookups[rank].lookup.remote(space, list(block_hashes), t)
+        ref = self._h.lookup().lookup.remote(space, list(block_hashes), t)
         try:
             result: int = ray.get(ref, timeout=t + _LOOKUP_MARGIN_S)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
-            logger.warning("lookup on rank %d failed (%s): counted as a miss", rank, exc)
+            logger.warning("lookup failed (%s): counted as a miss", exc)
             return 0
         return result
 
     async def alookup(
-        self,
-        space: KeySpace,
-        block_hashes: Iterable[bytes],
-        *,
-        rank: int = 0,
-        timeout_s: float | None = None,
+        self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None
     ) -> int:
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
-        ref = self._h.lookups[rank].lookup.remote(space, list(block_hashes), t)
+        ref = (await self._h.alookup()).lookup.remote(space, list(block_hashes), t)
         try:
             result: int = await asyncio.wait_for(ref, t + _LOOKUP_MARGIN_S)
         except (TimeoutError, ray.exceptions.RayActorError) as exc:
-            logger.warning("lookup on rank %d failed (%s): counted as a miss", rank, exc)
+            logger.warning("lookup failed (%s): counted as a miss", exc)
             return 0
         return result
 
@@ -490,33 +481,51 @@ class Pool:
 
 
 async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> PoolStatus:
-    """Snapshot every rank's actors; a dead rank shows as DOWN instead of failing."""
+    """Snapshot every node client of the pool; a dead one (or one whose node is gone)
+    shows as DOWN instead of failing."""
     cfg = h.config
     status = PoolStatus(
         cfg.name, cfg.namespace, cfg.backend, h.server_address, h.embedded, cfg.world_size
     )
     status.ssd = cfg.ssd_tier
+    nodes: list[launcher.NodeActors] = await asyncio.wait_for(h.manager.nodes.remote(), timeout_s)
+    lookups: dict[str, Any] = await asyncio.wait_for(h.manager.lookups.remote(), timeout_s)
+    cluster = await asyncio.to_thread(ray.nodes)
+    alive = {n["NodeID"]: (n["NodeManagerAddress"], n["Alive"]) for n in cluster}
+    first_of_node: dict[str, launcher.NodeActors] = {}
+    for a in nodes:
+        first_of_node.setdefault(a.node_id, a)
 
-    async def one(rank: int) -> RankStatus:
+    def where(node_id: str) -> str:
+        return f"{alive.get(node_id, ('?', False))[0]}/{node_id[:8]}"
+
+    async def one(a: launcher.NodeActors) -> RankStatus:
+        down = RankStatus(a.slot, "", 0, False, RankStats(), node=where(a.node_id))
+        if not alive.get(a.node_id, ("", False))[1]:
+            down.error = "node gone"
+            return down
+        calls = [a.client.snapshot.remote()]
+        if a.ssd is not None:
+            calls.append(a.ssd.snapshot.remote())
+        look = lookups.get(a.node_id) if first_of_node[a.node_id] is a else None
+        if look is not None:
+            calls.append(look.snapshot.remote())
         try:
-            snap, look = await asyncio.wait_for(
-                asyncio.gather(
-                    h.backends[rank].snapshot.remote(), h.lookups[rank].snapshot.remote()
-                ),
-                timeout_s,
-            )
+            snaps = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            return RankStatus(rank, "", 0, False, RankStats(), error=type(exc).__name__)
-        stats = RankStats.from_dict(snap["stats"]).merge(RankStats.from_dict(look["stats"]))
-        if h.ssds:
-            try:
-                tier = await asyncio.wait_for(h.ssds[rank].snapshot.remote(), timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                return RankStatus(rank, "", 0, False, stats, error=f"ssd: {type(exc).__name__}")
-            stats.merge(RankStats.from_dict(tier["tier"]))
-        return RankStatus(rank, snap["info"]["segment"], snap["info"]["segment_bytes"], True, stats)
+            down.error = type(exc).__name__
+            return down
+        stats = RankStats.from_dict(snaps[0]["stats"])
+        if a.ssd is not None:
+            stats.merge(RankStats.from_dict(snaps[1]["tier"]))
+        if look is not None:
+            stats.merge(RankStats.from_dict(snaps[-1]["stats"]))
+        info = snaps[0]["info"]
+        return RankStatus(
+            a.slot, info["segment"], info["segment_bytes"], True, stats, node=where(a.node_id)
+        )
 
-    status.ranks = list(await asyncio.gather(*(one(r) for r in range(cfg.world_size))))
+    status.ranks = list(await asyncio.gather(*(one(a) for a in nodes)))
     return status
 
 

@@ -20,6 +20,10 @@ def ray_init(
     told its node address, or it advertises the machine's external one. ``address=
     "local"`` always starts a new cluster; ``None`` joins ``RAY_ADDRESS`` or the cluster
     ``ray start`` made on this node, else starts one (Ray's own rule).
+
+    ``KVRAY_NODE_IP_ADDRESS`` picks the Ray node a process joins as when several Ray nodes
+    share its host (Ray's ``--node-ip-address`` of that node): kvray's clients are the
+    ones of the node a process joins as, and its shared memory must be theirs.
     """
     import ray
 
@@ -29,5 +33,8 @@ def ray_init(
     if address == "local" and env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
         kwargs.setdefault("_node_ip_address", "127.0.0.1")
         kwargs.setdefault("include_dashboard", False)
+    node_ip = env.get("KVRAY_NODE_IP_ADDRESS")
+    if node_ip:
+        kwargs.setdefault("_node_ip_address", node_ip)
     kwargs.setdefault("log_to_driver", False)
     ray.init(address=address, namespace=namespace, **kwargs)

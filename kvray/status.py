@@ -1,4 +1,5 @@
-"""A pool's status: spec, per-rank counters and totals, as a table or a dict."""
+"""A pool's status: spec, per-client counters (by node and slot), per-node capacity and
+totals, as a table or a dict."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from kvray.stats import RankStats
 
 @dataclass
 class RankStatus:
+    """One node client (a slot on a node); a node's Lookup counters are on its first."""
+
     rank: int
     segment: str
     segment_bytes: int
     alive: bool
     stats: RankStats
     error: str = ""
+    node: str = ""
+    """``<ip>/<node id prefix>`` of the node the client runs on."""
 
 
 @dataclass
@@ -50,6 +55,7 @@ class PoolStatus:
             "ranks": [
                 {
                     "rank": r.rank,
+                    "node": r.node,
                     "segment": r.segment,
                     "segment_bytes": r.segment_bytes,
                     "alive": r.alive,
@@ -58,8 +64,16 @@ class PoolStatus:
                 }
                 for r in self.ranks
             ],
+            "nodes": self.node_capacity(),
             "total": self.total.to_dict(),
         }
+
+    def node_capacity(self) -> dict[str, int]:
+        """Memory each node contributes to the pool (its live clients' segments)."""
+        out: dict[str, int] = {}
+        for r in self.ranks:
+            out[r.node] = out.get(r.node, 0) + (r.segment_bytes if r.alive else 0)
+        return out
 
     def table(self) -> str:
         server = {
@@ -70,9 +84,10 @@ class PoolStatus:
         mode = f"embedded {server}" if self.embedded else f"external {server}"
         head = (
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "
-            f"{self.server_address} ({mode}), {self.world_size} rank(s)"
+            f"{self.server_address} ({mode}), {self.world_size} client(s) per node"
         )
         cols = [
+            "node",
             "rank",
             "segment",
             "size",
@@ -94,7 +109,8 @@ class PoolStatus:
             s = self.total if r is None else r.stats
             rows.append(
                 [
-                    "total" if r is None else str(r.rank),
+                    "total" if r is None else r.node,
+                    "" if r is None else str(r.rank),
                     "" if r is None else (r.segment if r.alive else f"DOWN: {r.error}"),
                     _size_or_dash(
                         sum(x.segment_bytes for x in self.ranks) if r is None else r.segment_bytes
@@ -125,6 +141,11 @@ class PoolStatus:
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
         lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+        capacity = self.node_capacity()
+        if len(capacity) > 1:
+            lines.append(
+                "per node: " + ", ".join(f"{n} {_size_or_dash(b)}" for n, b in capacity.items())
+            )
         return "\n".join(lines)
 
 

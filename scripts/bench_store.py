@@ -17,7 +17,15 @@ or ``--backend yuanrong``:
 Each figure is the median of ``--reps`` repetitions after one warm-up (the first pass
 over fresh shared memory faults its pages in and is several times slower).
 
+``--cross-node`` measures gets whose blocks live on another node instead: on two Ray
+nodes of this machine that share no /dev/shm (``kvray.testing.multinode``, needs root),
+a pool started on node A stores the blocks in A's segment; on node B, kvray's
+``Pool.get`` (B's BackendClient actor reads A's segment into B's shared region) and the
+raw Mooncake client in the B driver process (``batch_get_into`` from A's segment, the
+baseline) fetch them, reps interleaved, every rep recorded.
+
     .venv/bin/python scripts/bench_store.py --json bench-results/bench_store.json
+    .venv/bin/python scripts/bench_store.py --cross-node --json bench-results/bench_cross_node.json
     .venv/bin/python scripts/bench_store.py --backend yuanrong \
         --json bench-results/bench_store_yuanrong.json
 """
@@ -219,17 +227,154 @@ def raw_exists_ms(backend: str, server: str, keys: list[str], reps: int) -> floa
     return statistics.median(times)
 
 
+XN_POOL = "xbench"
+
+
+def _xn_payload(blocks: int, block: int) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, blocks * block, dtype=np.uint8)
+
+
+def xn_role(args: argparse.Namespace) -> int:
+    """One side of ``--cross-node``, run by the harness as a driver on its node."""
+    import ray
+
+    from kvray import Pool
+    from kvray.ray_env import ray_init
+
+    blocks, block = args.blocks, args.block_kib << 10
+    keys = [f"xn-{i}" for i in range(blocks)]
+    ray_init(os.environ["RAY_ADDRESS"], namespace="kvray")
+    if args.xn_role == "down":
+        Pool.attach(XN_POOL).shutdown()
+        return 0
+    if args.xn_role == "store":
+        segment = max(64 << 20, int(blocks * block * 1.5) // (1 << 20) << 20)
+        pool = Pool.start(
+            {
+                "name": XN_POOL,
+                "world_size": 1,
+                "detached": True,
+                "mooncake": {"global_segment_size": segment, "local_buffer_size": "64MB"},
+            }
+        )
+        src = pool.empty((blocks, block), np.uint8)
+        src.reshape(-1)[:] = _xn_payload(blocks, block)
+        pool.put(keys, list(src))
+        node = ray.get_runtime_context().get_node_id()
+        print(json.dumps({"server": pool.server_address, "node": node}))
+        pool.close()
+        return 0
+    # fetch: kvray and the raw client on this node, reps interleaved
+    from mooncake.store import MooncakeDistributedStore
+
+    pool = Pool.attach(XN_POOL)
+    out = pool.empty((blocks, block), np.uint8)
+    rows = list(out)
+    raw_dst = np.zeros(blocks * block, np.uint8)
+    store = MooncakeDistributedStore()
+    me = os.environ["KVRAY_NODE_IP_ADDRESS"]
+    rc = store.setup(me, "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", pool.server_address)
+    assert rc == 0, f"raw mooncake setup failed: {rc}"
+    store.register_buffer(raw_dst.ctypes.data, raw_dst.nbytes)
+    dptr = [raw_dst.ctypes.data + i * block for i in range(blocks)]
+    sizes = [block] * blocks
+
+    def kvray_get() -> None:
+        got = pool.get(keys, out=rows)
+        assert all(g is not None for g in got), "kvray get missed blocks"
+
+    def raw_get() -> None:
+        got = store.batch_get_into(keys, dptr, sizes)
+        assert all(g == block for g in got), f"raw get failed: {set(got)}"
+
+    reps: dict[str, list[float]] = {"kvray": [], "raw": []}
+    for rep in range(args.reps + 1):
+        order = [("kvray", kvray_get), ("raw", raw_get)]
+        for name, fn in order if rep % 2 else order[::-1]:
+            dt = timed(fn)
+            log(f"   {name:<6} rep {rep}/{args.reps}{' (warm-up)' if rep == 0 else ''}: "
+                f"{dt * 1e3:8.1f} ms")  # fmt: skip
+            if rep:
+                reps[name].append(dt)
+    payload = _xn_payload(blocks, block)
+    assert np.array_equal(out.reshape(-1), payload), "kvray cross-node get is not byte-exact"
+    assert np.array_equal(raw_dst, payload), "raw cross-node get is not byte-exact"
+    store.close()
+    node = ray.get_runtime_context().get_node_id()
+    print(json.dumps({"reps_s": reps, "node": node}))
+    pool.close()
+    return 0
+
+
+def cross_node(args: argparse.Namespace) -> int:
+    from kvray.testing.multinode import TwoNodeCluster, unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        log(f"!! --cross-node {why}")
+        return 2
+    blocks, block = args.blocks, args.block_kib << 10
+    nbytes = blocks * block
+    common = ["--blocks", str(blocks), "--block-kib", str(args.block_kib), "--reps",
+              str(args.reps)]  # fmt: skip
+    log(f"== cross-node gets: {blocks} blocks x {args.block_kib} KiB = {nbytes >> 20} MiB, "
+        f"{args.reps} reps (+1 warm-up), interleaved")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvray-xn-") as tmp:
+        log("== starting two Ray nodes (private network, separate /dev/shm)")
+        with TwoNodeCluster(Path(tmp)) as cluster:
+            log("== node A: pool + blocks into A's segment")
+            stored = json.loads(
+                cluster.run_script(
+                    "A", __file__, "--xn-role", "store", *common, timeout=600
+                ).stdout.splitlines()[-1]
+            )
+            log("== node B: kvray Pool.get vs raw Mooncake batch_get_into")
+            res = cluster.run_script("B", __file__, "--xn-role", "fetch", *common, timeout=600)
+            sys.stderr.write(res.stderr[-4000:])
+            fetched = json.loads(res.stdout.splitlines()[-1])
+            cluster.run_script("A", __file__, "--xn-role", "down", *common, timeout=120)
+    assert stored["node"] != fetched["node"], "store and fetch ran on the same node"
+    reps = fetched["reps_s"]
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in reps.items()}
+    results = {
+        "gbps": {"kvray_get_cross_node": gbps["kvray"], "raw_get_cross_node": gbps["raw"]},
+        "reps_s": reps,
+        "params": {"blocks": blocks, "block_bytes": block, "reps": args.reps,
+                   "cpus": os.cpu_count(), "transport": "tcp (loopback between namespaces)"},
+    }  # fmt: skip
+    print()
+    print(f"{'cross-node get':<26}{'GB/s':>8}{'vs raw':>8}   reps (ms)")
+    for name, key in (("raw mooncake (in driver)", "raw"), ("kvray Pool.get", "kvray")):
+        ms = " ".join(f"{t * 1e3:.0f}" for t in reps[key])
+        print(f"{name:<26}{gbps[key]:>8.2f}{gbps[key] / gbps['raw']:>8.2f}   {ms}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=1000)
+    parser.add_argument("--blocks", type=int, default=None, help="default 1000 (256 cross-node)")
     parser.add_argument("--block-kib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--lookup-reps", type=int, default=200)
     parser.add_argument("--backend", choices=["mooncake", "yuanrong"], default="mooncake")
+    parser.add_argument("--cross-node", action="store_true", help="gets from another node")
+    parser.add_argument("--xn-role", choices=["store", "fetch", "down"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write results here")
     args = parser.parse_args()
     if args.reps < 3:
         parser.error("--reps must be >= 3 (medians of fewer are noise)")
+    if args.blocks is None:
+        args.blocks = 256 if (args.cross_node or args.xn_role) else 1000
+    if args.xn_role:
+        return xn_role(args)
+    if args.cross_node:
+        if args.backend != "mooncake":
+            parser.error("--cross-node measures the mooncake backend")
+        return cross_node(args)
 
     import ray
 

@@ -21,6 +21,7 @@ def make_backend(
             server_address,
             io_threads=config.io_threads,
             contribute_memory=contribute_memory,
+            replica_num=config.replica_num,
         )
     if config.backend == "memcache":
         from kvray.backends.memcache import MemcacheBackend

@@ -116,6 +116,7 @@ class MooncakeBackend(Backend):
         *,
         io_threads: int = 4,
         contribute_memory: bool = True,
+        replica_num: int = 1,
     ) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
@@ -126,7 +127,9 @@ class MooncakeBackend(Backend):
         store = MooncakeDistributedStore()
         started = time.monotonic()
         rc = store.setup(
-            config.local_hostname,
+            # kvray's node actors fill in their node's address; a client made directly
+            # (tests, tools without Ray) advertises loopback.
+            config.local_hostname or "127.0.0.1",
             config.metadata_server,
             segment,
             config.local_buffer_size if contribute_memory else 0,
@@ -147,6 +150,7 @@ class MooncakeBackend(Backend):
         self._segment_bytes = segment
         self._segment_name = str(store.get_hostname())
         self._replicate = ReplicateConfig()
+        self._replicate.replica_num = replica_num
         if segment and (config.preferred_segment or config.prefer_alloc_in_same_node):
             # The native prefer_alloc_in_same_node flag makes batch_put_from reject the
             # whole batch (-600) in 0.3.x; the local segment is the same-node choice.

@@ -96,8 +96,8 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), split)
 
 
-def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:
-    """Join the Ray cluster and find the pool; the pool must serve every rank."""
+def attach_pool(cfg: ConnectorConfig) -> PoolHandles:
+    """Join the Ray cluster and find the pool (handles for this process's node)."""
     import ray
 
     from kvray import launcher
@@ -113,11 +113,5 @@ def attach_pool(cfg: ConnectorConfig, world_size: int) -> PoolHandles:
             f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "
             f"{cfg.pool_name!r} runs {handles.config.backend!r}: set backend to "
             f"{handles.config.backend!r} or attach to a {cfg.backend} pool (pool_name)"
-        )
-    if handles.config.world_size < world_size:
-        raise ConfigError(
-            f"kvray pool {cfg.pool_name!r} serves {handles.config.world_size} rank(s) but this "
-            f"engine has {world_size} (TP x PP): restart the pool with "
-            f"`kvray up --world-size {world_size}`"
         )
     return handles

@@ -100,8 +100,8 @@ class KVRayScheduler:
         self.info = info
         self.block_size = info.block_size
         self._timeout_s = info.config.lookup_timeout_ms / 1e3
-        handles = attach_pool(info.config, info.space.world_size)
-        self._lookup_actor = handles.lookups[0]
+        handles = attach_pool(info.config)
+        self._lookup_actor = handles.lookup()  # this node's: the scheduler's
         # The first call from a new process sets up Ray's connection to the actor (often
         # longer than a lookup timeout): pay it now, not as a miss on the first request.
         ray.get(self._lookup_actor.lookup.remote(info.space, [], self._timeout_s), timeout=60)

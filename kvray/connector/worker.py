@@ -33,10 +33,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _rank() -> tuple[int, int]:
-    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+def _rank() -> tuple[int, int, int]:
+    """(TP rank, PP rank, local rank on this node) of this worker."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_world_group,
+    )
 
-    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    return (
+        get_tensor_model_parallel_rank(),
+        get_pp_group().rank_in_group,
+        get_world_group().local_rank,
+    )
 
 
 class KVRayWorker:
@@ -44,7 +53,7 @@ class KVRayWorker:
 
     def __init__(self, info: InstanceInfo) -> None:
         self.info = info
-        handles = attach_pool(info.config, info.space.world_size)
+        handles = attach_pool(info.config)
         self._call_timeout_s = handles.config.call_timeout_s
         self._pool_name = handles.config.name
         self._handles = handles
@@ -73,10 +82,19 @@ class KVRayWorker:
         return self._allocator
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tp_rank, pp_rank = _rank()
+        tp_rank, pp_rank, local_rank = _rank()
         self._tp_rank = tp_rank
         self.rank = pp_rank * self.info.space.tp_size + tp_rank
-        self._actor = self._handles.backends[self.rank]
+        world = self._handles.config.world_size
+        if local_rank >= world:
+            raise ConfigError(
+                f"this worker is local rank {local_rank} on its node, but kvray pool "
+                f"{self._pool_name!r} has {world} client(s) per node (world_size): restart "
+                f"the pool with `kvray up --world-size {local_rank + 1}` or more (the most "
+                "engine workers any node runs)"
+            )
+        # This node's client of this device/rank: the KV bytes move through shared memory.
+        self._actor = self._handles.client(local_rank)
         ray.get(self._actor.probe.remote(), timeout=60)  # connect now, not on the first load
         region = self._allocator.region if self._allocator else None
         layers = list(kv_caches.values())

@@ -118,3 +118,14 @@ def pool(request, ray_cluster):
     p = Pool.start(cfg)
     yield p
     p.shutdown()
+
+
+def pool_actor_names(cfg) -> list[str]:  # type: ignore[no-untyped-def]
+    """The live named actors of pool ``cfg`` (manager, node clients, lookups, SSD)."""
+    import ray
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == cfg.namespace and a["name"].startswith(f"{cfg.name}.")
+    )

@@ -114,7 +114,7 @@ def test_prefix_lookup_needs_every_rank(pool, prefix):
     pool.put([space.key(h, 0) for h in hashes[:6]], [block] * 6, rank=0)
     pool.put([space.key(h, 1) for h in hashes[:4]] + [space.key(hashes[5], 1)], [block] * 5, rank=1)
     assert pool.lookup(space, hashes) == 4
-    assert pool.lookup(space, hashes, rank=1) == 4
+    assert pool.lookup(space, hashes) == 4
     assert pool.lookup(KeySpace(prefix, space.layout, tp_size=1), hashes) == 6
     assert pool.lookup(space, []) == 0
     other_layout = KeySpace(prefix, KVLayout("bfloat16", 16, 2, 64).tag(), tp_size=2)

@@ -19,28 +19,18 @@ from kvray.errors import (
     TransferError,
 )
 from kvray.master import free_port
-from kvray.naming import (
-    backend_name,
-    lookup_name,
-    manager_name,
-    placement_group_name,
-    region_prefix,
-)
+from kvray.naming import manager_name, region_prefix
 from kvray.shm import mapped_regions
 
-from .conftest import small_config
+from .conftest import pool_actor_names, small_config
 
 pytestmark = pytest.mark.integration
 
 
 def assert_nothing_left(cfg, master_pid=None):
-    for name in [manager_name(cfg.name)] + [
-        f(cfg.name, r) for r in range(cfg.world_size) for f in (backend_name, lookup_name)
-    ]:
-        with pytest.raises(ValueError):
-            ray.get_actor(name, namespace=cfg.namespace)
     with pytest.raises(ValueError):
-        ray.util.get_placement_group(placement_group_name(cfg.name))
+        ray.get_actor(manager_name(cfg.name), namespace=cfg.namespace)
+    assert pool_actor_names(cfg) == []
     assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []  # no file, ever
     others = {p: n for p, n in mapped_regions(region_prefix(cfg.name)).items() if p != os.getpid()}
     assert others == {}, "a process other than the driver still maps the pool's regions"
@@ -69,7 +59,7 @@ def test_start_is_idempotent_and_attach_finds_data(ray_cluster, mooncake_master)
     pool = Pool.start(cfg)
     try:
         again = Pool.start(cfg)
-        assert again._h.backends[0]._actor_id == pool._h.backends[0]._actor_id
+        assert again._h.client(0)._actor_id == pool._h.client(0)._actor_id
         again.close()
         pool.put(f"{cfg.name}-a", np.full(10, 7, np.uint8))
         attached = Pool.attach(cfg.name, cfg.namespace)
@@ -122,7 +112,7 @@ def test_killed_backend_client_restarts_and_serves(ray_cluster, mooncake_master)
     cfg = small_config(mooncake_master.address, world_size=1)
     pool = Pool.start(cfg)
     try:
-        actor = pool._h.backends[0]
+        actor = pool._h.client(0)
         pool.put(f"{cfg.name}-before", np.ones(64, np.uint8))
         old = psutil.Process(ray.get(actor.probe.remote())["pid"])
         ray.kill(actor, no_restart=False)

@@ -49,7 +49,8 @@ def test_dram_miss_is_served_from_ssd_and_survives_a_pool_restart(ray_cluster, t
         assert (tmp_path / "rank_0" / "blocks").is_dir()
         pool.shutdown()
     with pytest.raises(ValueError):
-        ray.get_actor(ssd_name(cfg.name, 0), namespace=cfg.namespace)
+        node = ray.get_runtime_context().get_node_id()
+        ray.get_actor(ssd_name(cfg.name, node, 0), namespace=cfg.namespace)
     # A new pool on the same SSD path: DRAM is empty, the SSD tier still has every block.
     with Pool.start(cfg) as pool:
         assert pool.lookup(space, hashes) == 8

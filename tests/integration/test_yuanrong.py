@@ -24,10 +24,10 @@ from kvray.backends.keycodec import YUANRONG
 from kvray.config import DatasystemWorkerConfig, YuanrongConfig
 from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError
-from kvray.naming import backend_name, manager_name, region_prefix
+from kvray.naming import manager_name, region_prefix
 from kvray.shm import mapped_regions
 
-from .conftest import small_config, stop_and_check
+from .conftest import pool_actor_names, small_config, stop_and_check
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -253,8 +253,7 @@ def test_embedded_worker_pool_lifecycle(ray_cluster):
     assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []  # no file, ever
     others = {p: n for p, n in mapped_regions(region_prefix(cfg.name)).items() if p != os.getpid()}
     assert others == {}, "a process other than the driver still maps the pool's regions"
-    with pytest.raises(ValueError):
-        ray.get_actor(backend_name(cfg.name, 0), namespace=cfg.namespace)
+    assert pool_actor_names(cfg) == []
 
 
 def test_pool_over_per_rank_workers(ray_cluster, ds_worker, ds_worker2):

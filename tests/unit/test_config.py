@@ -206,3 +206,27 @@ def test_example_configs_parse():
     assert ext.mooncake.protocol == "rdma" and ext.world_size == 8
     mc = MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(root / "mooncake.json")})
     assert mc.global_segment_size == GIB
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"placement_strategy": "SPREAD"}, "placement_strategy was removed"),
+        ({"backend": "yuanrong", "replica_num": 2}, "replica_num 2 needs backend mooncake"),
+        ({"replica_num": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_pool_config_multinode_errors(data, fragment):
+    from kvray.config import PoolConfig
+
+    with pytest.raises(ConfigError, match=fragment):
+        PoolConfig.from_dict(data, environ={})
+
+
+def test_replicas_and_node_address_defaults():
+    from kvray.config import PoolConfig
+
+    cfg = PoolConfig.from_dict({"replica_num": 2}, environ={})
+    assert cfg.replica_num == 2
+    # unset: each node's clients advertise their own node's address (filled in there)
+    assert cfg.mooncake.local_hostname is None

@@ -1,0 +1,233 @@
+"""Two Ray nodes on one machine that do NOT share /dev/shm, as two real hosts do not.
+
+Both nodes live in one private network namespace (loopback only; node A is 127.0.0.1,
+node B 127.0.0.2, both on ``lo``), each in its own mount namespace with its own tmpfs on
+/dev/shm. A cross-node shared-memory assumption fails here as on real hardware (kvray's
+regions are refused on another node, Ray's object stores are separate), and Mooncake
+traffic between the nodes goes over TCP. Processes are put on a node with ``nsenter``
+into its namespaces; a driver joins Ray as that node through ``KVRAY_NODE_IP_ADDRESS``.
+Needs root (namespaces), util-linux and iproute2. Used by ``tests/multinode`` and
+``scripts/bench_store.py --cross-node``.
+
+    with TwoNodeCluster(Path(tmp)) as cluster:
+        cluster.run_script("B", "my_driver.py", "arg")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+RAY = str(Path(sys.executable).with_name("ray"))
+_NODES_PROBE = (
+    "import json, ray; ray.init(); "
+    "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+)
+
+
+class HarnessError(RuntimeError):
+    """The harness could not start or run something; the message says what and why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why the harness cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root for network and mount namespaces (CI runs as root)"
+    if not (shutil.which("unshare") and shutil.which("nsenter") and shutil.which("ip")):
+        return "needs unshare, nsenter and ip (util-linux, iproute2)"
+    probe = subprocess.run(["unshare", "--net", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return f"cannot create namespaces here: {probe.stderr.decode().strip()}"
+    return None
+
+
+@dataclass
+class Node:
+    name: str
+    ip: str
+    holder: subprocess.Popen[bytes]
+    """A process that keeps the node's namespaces alive."""
+    raylet: subprocess.Popen[bytes] | None = None
+    """``ray start --block`` of the node."""
+
+    def argv(self, *cmd: str) -> list[str]:
+        return ["nsenter", "-t", str(self.holder.pid), "-n", "-m", "--", *cmd]
+
+
+class TwoNodeCluster:
+    """Nodes ``A`` (the head) and ``B``, and the Ray cluster on them."""
+
+    def __init__(self, tmp: Path, *, port: int = 6399, cpus: int = 4) -> None:
+        self.tmp = tmp
+        self.port = port
+        self.cpus = cpus
+        self.address = f"127.0.0.1:{port}"
+        self.nodes: dict[str, Node] = {}
+
+    def __enter__(self) -> TwoNodeCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def env(self, node: Node, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # else Ray refuses a second node
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_ADDRESS": self.address,
+            "KVRAY_NODE_IP_ADDRESS": node.ip,
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
+
+    def start(self) -> None:
+        holder = ["unshare", "--mount", "--propagation", "private", "sleep", "infinity"]
+        a = subprocess.Popen(["unshare", "--net", *holder[1:]])
+        self.nodes["A"] = Node("A", "127.0.0.1", a)
+        _wait_ns(a.pid)
+        subprocess.run(["nsenter", "-t", str(a.pid), "-n", "ip", "link", "set", "lo", "up"],
+                       check=True)  # fmt: skip
+        b = subprocess.Popen(["nsenter", "-t", str(a.pid), "-n", "--", *holder])
+        self.nodes["B"] = Node("B", "127.0.0.2", b)
+        _wait_ns(b.pid)
+        for node in self.nodes.values():
+            mount = ["mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", "/dev/shm"]
+            subprocess.run(node.argv(*mount), check=True)
+        head = self.nodes["A"]
+        head.raylet = self._ray_start(
+            head, "--head", "--port", str(self.port), "--include-dashboard", "false"
+        )
+        self.wait_nodes(1)
+        self.restart_node("B")
+
+    def _ray_start(self, node: Node, *args: str) -> subprocess.Popen[bytes]:
+        with open(self.tmp / f"ray-{node.name}.log", "w") as log:
+            return subprocess.Popen(
+                node.argv(RAY, "start", "--block", "--node-ip-address", node.ip,
+                          "--num-cpus", str(self.cpus), "--disable-usage-stats", *args),
+                env=self.env(node), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def alive_nodes(self) -> list[str]:
+        res = self.run_python("A", _NODES_PROBE, check=False, timeout=60)
+        if res.returncode != 0:
+            return []
+        return list(json.loads(res.stdout.splitlines()[-1]))
+
+    def wait_nodes(self, n: int, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for node in self.nodes.values():
+                if node.raylet is not None and node.raylet.poll() is not None:
+                    raise HarnessError(f"ray on node {node.name} exited:\n{self.log(node.name)}")
+            if len(self.alive_nodes()) >= n:
+                return
+            time.sleep(2)
+        raise HarnessError(f"{n} Ray node(s) not up in {timeout_s:.0f} s:\n{self.log('A')}")
+
+    def kill_node(self, name: str) -> int:
+        """Node loss: SIGKILL every process of node ``name`` (its raylet, object store,
+        workers and kvray's actors there: all share its mount namespace); returns how
+        many died."""
+        node = self.nodes[name]
+        ns = os.readlink(f"/proc/{node.holder.pid}/ns/mnt")
+        victims = 0
+        for proc in Path("/proc").glob("[0-9]*"):
+            if int(proc.name) == node.holder.pid:
+                continue
+            with contextlib.suppress(OSError):
+                if os.readlink(proc / "ns" / "mnt") == ns:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    victims += 1
+        if node.raylet is not None:
+            node.raylet.wait(30)
+            node.raylet = None
+        return victims
+
+    def restart_node(self, name: str) -> None:
+        """(Re)start node ``name``'s Ray node: a node that comes back after a loss."""
+        node = self.nodes[name]
+        node.raylet = self._ray_start(node, "--address", self.address)
+        self.wait_nodes(len(self.nodes))
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"ray-{name}.log").read_text(errors="replace")[-4000:]
+
+    def run_script(
+        self,
+        node: str,
+        script: str,
+        *args: str,
+        check: bool = True,
+        timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """``python SCRIPT ARGS`` as a process (a Ray driver) on ``node``."""
+        return self._run(node, [script, *args], check, timeout, env)
+
+    def run_python(
+        self, node: str, code: str, *, check: bool = True, timeout: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run(node, ["-c", code], check, timeout, None)
+
+    def _run(
+        self,
+        node: str,
+        args: list[str],
+        check: bool,
+        timeout: float,
+        env: dict[str, str] | None,
+    ) -> subprocess.CompletedProcess[str]:
+        n = self.nodes[node]
+        res = subprocess.run(
+            n.argv(sys.executable, *args),
+            env=self.env(n, **(env or {})), capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if check and res.returncode != 0:
+            raise HarnessError(f"{args[0]} on node {node} failed:\n{res.stderr[-6000:]}")
+        return res
+
+    def stop(self) -> None:
+        for node in reversed(list(self.nodes.values())):
+            if node.raylet is not None and node.raylet.poll() is None:
+                node.raylet.send_signal(signal.SIGTERM)  # `ray start --block` stops its node
+                try:
+                    node.raylet.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(node.raylet.pid, signal.SIGKILL)
+                    node.raylet.wait(10)
+        for node in self.nodes.values():
+            # Whatever a test left on the node (a killed node's leftovers) goes with it.
+            self.kill_node(node.name)
+            node.holder.kill()
+            node.holder.wait(10)
+
+
+def _wait_ns(pid: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` runs in its own network or mount namespace (unshare has run)."""
+    mine = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("net", "mnt")}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/ns/{ns}") != mine[ns] for ns in mine):
+                return
+        time.sleep(0.05)
+    raise HarnessError(f"namespace holder {pid} did not start")

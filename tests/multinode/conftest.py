@@ -1,0 +1,39 @@
+"""The multi-node harness (``kvray.testing.multinode``): two Ray nodes on this machine
+that share no /dev/shm, with a driver helper for tests/multinode/node_driver.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvray.testing.multinode import TwoNodeCluster, unavailable_reason
+
+HERE = Path(__file__).parent
+
+
+class Cluster(TwoNodeCluster):
+    def run(
+        self, node: str, *args: str, check: bool = True, timeout: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        """``tests/multinode/node_driver.py ARGS`` as a driver on ``node``."""
+        return self.run_script(
+            node, str(HERE / "node_driver.py"), *args, check=check, timeout=timeout
+        )
+
+    def json(self, node: str, *args: str) -> Any:
+        """The driver's JSON answer (its last line)."""
+        return json.loads(self.run(node, *args).stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def two_nodes():  # type: ignore[no-untyped-def]
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with tempfile.TemporaryDirectory(prefix="kvray-mn-") as tmp, Cluster(Path(tmp)) as cluster:
+        yield cluster

@@ -1,0 +1,116 @@
+"""A Ray driver on one node of the multi-node harness (tests/multinode/conftest.py): it
+joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSON line.
+
+    node_driver.py nodes                       the cluster's alive nodes
+    node_driver.py start POOL [REPLICAS]       start a detached pool (clients on this node)
+    node_driver.py put POOL KEY SEED [N]       put N random bytes (seeded) under KEY
+    node_driver.py get POOL KEY SEED [N]       get KEY; compare with the seeded bytes
+    node_driver.py status POOL                 the pool's status dict
+    node_driver.py down POOL                   stop the pool
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def _value(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def main() -> int:
+    import ray
+
+    from kvray.ray_env import ray_init
+
+    cmd, args = sys.argv[1], sys.argv[2:]
+    ray_init(os.environ["RAY_ADDRESS"], namespace="kvray")
+    me = ray.get_runtime_context().get_node_id()
+    if cmd == "nodes":
+        print(json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]))
+        return 0
+    from kvray import Pool
+
+    if cmd == "start":
+        pool = Pool.start(
+            {
+                "name": args[0],
+                "world_size": 1,
+                "detached": True,
+                "replica_num": int(args[1]) if len(args) > 1 else 1,
+                "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
+                # the master drops a dead node's segment (and the copies in it) after 2 s
+                "master": {"client_ttl_s": 2},
+            }
+        )
+        out = {"node": me, "server": pool.server_address}
+        pool.close()
+    elif cmd in ("put", "get"):
+        pool = Pool.attach(args[0])
+        key, seed = args[1], int(args[2])
+        n = int(args[3]) if len(args) > 3 else 1 << 20
+        value = _value(seed, n)
+        client = pool._h.client(0)
+        where = ray.get(client.probe.remote())["node_id"]
+        if cmd == "put":
+            pool.put(key, value)
+            out = {"node": me, "client_node": where}
+        else:
+            from kvray.errors import TransferError
+
+            try:
+                got = pool.get(key, shape=(n,), dtype=np.uint8)
+                failed = False
+            except TransferError:  # reported, never returned as bytes
+                got, failed = None, True
+            out = {
+                "node": me,
+                "client_node": where,
+                "failed": failed,
+                "hit": got is not None,
+                "equal": got is not None and bool(np.array_equal(got, value)),
+                "sha": hashlib.sha256(got.tobytes()).hexdigest() if got is not None else None,
+            }
+        pool.close()
+    elif cmd == "wrong-node":
+        # A region made here, handed to the client of another node (by name): refused
+        # with the fix, never read from some other memory.
+        from kvray.errors import RegionError
+        from kvray.naming import client_name
+        from kvray.shm import SharedRegion
+        from kvray.transfer import TransferBatch
+
+        pool = Pool.attach(args[0])
+        other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me)
+        client = ray.get_actor(client_name(args[0], other, 0), namespace="kvray")
+        region = SharedRegion.create("kvray-mn-wrong", 4096)
+        batch = TransferBatch.contiguous(region.spec, ["wrong-node"], [0], [4096])
+        try:
+            ray.get(client.put.remote(batch))
+            out = {"refused": False}
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            out = {"refused": isinstance(cause, RegionError), "error": str(cause)}
+        region.close()
+        pool.close()
+    elif cmd == "status":
+        pool = Pool.attach(args[0])
+        status = pool.stats()
+        out = {**status.to_dict(), "table": status.table()}
+        pool.close()
+    elif cmd == "down":
+        Pool.attach(args[0]).shutdown()
+        out = {"down": args[0]}
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

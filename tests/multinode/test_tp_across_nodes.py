@@ -64,7 +64,7 @@ def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
             ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank",
                            "0", "--host", "127.0.0.1", "--port", str(port)]),
             ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
-                               "--headless"]),
+                               "--api-server-count", "0", "--headless"]),
         ):  # fmt: skip
             n = two_nodes.nodes[node]
             procs.append(subprocess.Popen(

@@ -254,6 +254,7 @@ def xn_role(args: argparse.Namespace) -> int:
                 "name": XN_POOL,
                 "world_size": 1,
                 "detached": True,
+                "io_threads": args.io_threads,
                 "mooncake": {"global_segment_size": segment, "local_buffer_size": "64MB"},
             }
         )
@@ -316,7 +317,7 @@ def cross_node(args: argparse.Namespace) -> int:
     blocks, block = args.blocks, args.block_kib << 10
     nbytes = blocks * block
     common = ["--blocks", str(blocks), "--block-kib", str(args.block_kib), "--reps",
-              str(args.reps)]  # fmt: skip
+              str(args.reps), "--io-threads", str(args.io_threads)]  # fmt: skip
     log(f"== cross-node gets: {blocks} blocks x {args.block_kib} KiB = {nbytes >> 20} MiB, "
         f"{args.reps} reps (+1 warm-up), interleaved")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvray-xn-") as tmp:
@@ -340,6 +341,7 @@ def cross_node(args: argparse.Namespace) -> int:
         "gbps": {"kvray_get_cross_node": gbps["kvray"], "raw_get_cross_node": gbps["raw"]},
         "reps_s": reps,
         "params": {"blocks": blocks, "block_bytes": block, "reps": args.reps,
+                   "io_threads": args.io_threads,
                    "cpus": os.cpu_count(), "transport": "tcp (loopback between namespaces)"},
     }  # fmt: skip
     print()
@@ -362,6 +364,9 @@ def main() -> int:
     parser.add_argument("--lookup-reps", type=int, default=200)
     parser.add_argument("--backend", choices=["mooncake", "yuanrong"], default="mooncake")
     parser.add_argument("--cross-node", action="store_true", help="gets from another node")
+    parser.add_argument(
+        "--io-threads", type=int, default=4, help="kvray's io_threads (--cross-node pool)"
+    )
     parser.add_argument("--xn-role", choices=["store", "fetch", "down"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write results here")
     args = parser.parse_args()

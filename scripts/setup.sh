@@ -11,6 +11,12 @@ python="${PYTHON:-python3}"
 need_apt=()
 # Mooncake's transfer engine links libibverbs.so.1 but its wheel does not ship it.
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need_apt+=(libibverbs1)
+# The multi-node test harness (kvray.testing.multinode, root only) brings up loopback in
+# its own network namespace with `ip` and enters nodes with util-linux's unshare/nsenter.
+if [ "$(id -u)" = 0 ]; then
+    command -v ip >/dev/null || need_apt+=(iproute2)
+    command -v nsenter >/dev/null || need_apt+=(util-linux)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
         echo "==> apt-get install ${need_apt[*]}"

@@ -133,33 +133,31 @@ def _node_result(got: Any) -> NodeActors:
     return got
 
 
-def _unwrap(exc: ray.exceptions.RayTaskError, what: str) -> BaseException:
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, Exception):
-        return cause
-    return BackendUnavailableError(f"{what}: {_actor_error(exc)}")
+def _mapped(exc: BaseException, what: str) -> BaseException:
+    """A manager call's failure as kvray's error: the manager's own exception when it
+    raised one (RayTaskError.cause), else BackendUnavailableError naming ``what``."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            return cause
+        return BackendUnavailableError(f"{what}: {_actor_error(exc)}")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return BackendUnavailableError(f"{what}: the pool manager is gone ({exc})")
+    return BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s")
 
 
 def _get(ref: Any, what: str) -> Any:
     try:
         return ray.get(ref, timeout=_START_TIMEOUT_S)
-    except ray.exceptions.RayTaskError as exc:
-        raise _unwrap(exc, what) from exc
-    except ray.exceptions.RayActorError as exc:
-        raise BackendUnavailableError(f"{what}: the pool manager is gone ({exc})") from exc
-    except ray.exceptions.GetTimeoutError as exc:
-        raise BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s") from exc
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        raise _mapped(exc, what) from exc
 
 
 async def _aget(ref: Any, what: str) -> Any:
     try:
         return await asyncio.wait_for(ref, _START_TIMEOUT_S)
-    except ray.exceptions.RayTaskError as exc:
-        raise _unwrap(exc, what) from exc
-    except ray.exceptions.RayActorError as exc:
-        raise BackendUnavailableError(f"{what}: the pool manager is gone ({exc})") from exc
-    except TimeoutError as exc:
-        raise BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s") from exc
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        raise _mapped(exc, what) from exc
 
 
 def _actor_error(exc: BaseException) -> str:

@@ -177,13 +177,20 @@ class MemcacheBackend(Backend):
         Path(self._conf_path).write_text(
             render_conf(config.to_conf(), "written by kvray for its MemCache client")
         )
-        if store_factory is None:
-            check_meta_reachable(self._url)
-            store_factory = import_memcache().DistributedObjectStore
-        started = time.monotonic()
-        store = store_factory()
-        rc = store.init(config.device_id, init_bm=contribute_memory)
+        try:
+            if store_factory is None:
+                check_meta_reachable(self._url)
+                store_factory = import_memcache().DistributedObjectStore
+            started = time.monotonic()
+            store = store_factory()
+            rc = store.init(config.device_id, init_bm=contribute_memory)
+        except BaseException:
+            self._drop_conf()
+            raise
         if rc != 0:
+            # The conf is read at init only; a process whose client failed (an actor that
+            # Ray then kills) must not leave it behind.
+            self._drop_conf()
             self._reset_after_failed_init(store)
             hint = (
                 "a client that contributes memory needs the Ascend driver (MemCache's data "
@@ -210,6 +217,10 @@ class MemcacheBackend(Backend):
             config.protocol,
             config.dram_size if contribute_memory else 0,
         )
+
+    def _drop_conf(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self._conf_path)
 
     @staticmethod
     def _reset_after_failed_init(store: Any) -> None:
@@ -357,5 +368,4 @@ class MemcacheBackend(Backend):
         await self._call(self._store.close)
         self._closed = True
         self._pool.shutdown(wait=False)
-        with contextlib.suppress(OSError):  # read at init only
-            os.unlink(self._conf_path)
+        self._drop_conf()  # read at init only

@@ -1,6 +1,6 @@
 """KVRayConnector under vLLM's Ray executor (workers are Ray actors and get the client of
-their own node and local rank from the pool manager). vLLM 0.32 refuses the Ray executor on the CPU platform, so
-this runs only where vLLM has an accelerator platform (CUDA)."""
+their own node and local rank from the pool manager). vLLM 0.32 refuses the Ray executor
+on the CPU platform, so this runs only where vLLM has an accelerator platform (CUDA)."""
 
 from __future__ import annotations
 

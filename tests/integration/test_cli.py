@@ -45,8 +45,10 @@ def test_up_status_down(ray_cluster, tmp_path):
         status = kvray(ray_cluster, "status")
         assert status.returncode == 0, status.stderr
         lines = status.stdout.splitlines()
-        assert lines[0].startswith("kvray pool 'clitest'") and "2 rank(s)" in lines[0]
-        assert [line.split()[0] for line in lines[2:]] == ["0", "1", "total"]
+        assert lines[0].startswith("kvray pool 'clitest'") and "2 client(s) per node" in lines[0]
+        rows = [line.split() for line in lines[2:]]
+        assert [r[0] for r in rows] == ["127.0.0.1/" + rows[0][0].split("/")[1]] * 2 + ["total"]
+        assert [r[1] for r in rows[:2]] == ["0", "1"]
         js = json.loads(kvray(ray_cluster, "status", "--json").stdout)
         assert js["world_size"] == 2 and js["embedded"] and all(r["alive"] for r in js["ranks"])
         assert js["ranks"][0]["segment_bytes"] == 32 << 20

@@ -99,7 +99,7 @@ def test_lookup_actor_on_ray_against_the_real_meta_service(ray_cluster, meta):
     actor = (
         ray.remote(LookupActor)
         .options(namespace="kvray-test")
-        .remote(cfg.model_dump_json(), 0, meta.meta_service_url)
+        .remote(cfg.model_dump_json(), meta.meta_service_url)
     )
     try:
         space = KeySpace("mmc", KVLayout("float16", 16, 2, 64).tag(), tp_size=2)

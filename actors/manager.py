@@ -117,7 +117,11 @@ class PoolManagerActor:
 
     def _check_node(self, node_id: str) -> None:
         # The embedded datasystem worker serves its own node's shared memory only.
-        if self._config.backend == "yuanrong" and self._server and node_id != self._node_id:
+        if (
+            self._config.backend == "yuanrong"
+            and self._server is not None
+            and node_id != self._node_id
+        ):
             raise BackendUnavailableError(
                 f"pool {self._config.name!r} runs an embedded datasystem worker on node "
                 f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: run a "

@@ -36,9 +36,6 @@ class BackendClientActor:
         assert (ssd is not None) == config.ssd_tier, "an SSD actor exactly with an ssd tier"
         self._ssd: Any = ssd
 
-    def _ssd_actor(self) -> Any:
-        return self._ssd
-
     async def probe(self) -> dict[str, Any]:
         return {
             "rank": self._store.rank,
@@ -48,7 +45,7 @@ class BackendClientActor:
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
-        ssd = self._ssd_actor()
+        ssd = self._ssd
         if ssd is None:
             return await self._store.put(batch, overwrite=overwrite)
         # Write-through to both tiers at once; the caller may reuse its memory when this
@@ -63,7 +60,7 @@ class BackendClientActor:
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
         statuses = await self._store.get(batch)
-        ssd = self._ssd_actor()
+        ssd = self._ssd
         if ssd is None:
             return statuses
         misses = [i for i, s in enumerate(statuses) if s in _LOWER_TIER_SERVES]
@@ -80,7 +77,7 @@ class BackendClientActor:
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         present = await self._store.exists(keys)
-        ssd = self._ssd_actor()
+        ssd = self._ssd
         if ssd is None or all(present):
             return present
         lower = await ssd.exists.remote(list(keys))
@@ -88,7 +85,7 @@ class BackendClientActor:
 
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         statuses = await self._store.remove(keys, force=force)
-        ssd = self._ssd_actor()
+        ssd = self._ssd
         if ssd is None:
             return statuses
         lower = await ssd.remove.remote(list(keys), force)
@@ -99,7 +96,7 @@ class BackendClientActor:
 
     async def release_region(self, region_id: str) -> None:
         await self._store.release_region(region_id)
-        ssd = self._ssd_actor()
+        ssd = self._ssd
         if ssd is not None:
             await ssd.release_region.remote(region_id)
 

@@ -116,19 +116,21 @@ class PoolManagerActor:
         return forgotten
 
     def _check_node(self, node_id: str) -> None:
+        if self._config.backend != "yuanrong":
+            return
         # The embedded datasystem worker serves its own node's shared memory only.
-        if (
-            self._config.backend == "yuanrong"
-            and self._server is not None
-            and node_id != self._node_id
-        ):
+        if self._server is not None and node_id != self._node_id:
             raise BackendUnavailableError(
                 f"pool {self._config.name!r} runs an embedded datasystem worker on node "
                 f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: run a "
                 "worker per node (scripts/datasystem_cluster.py) and set "
-                "yuanrong.worker_address / rank_worker_addresses, or keep engines on the "
+                "yuanrong.worker_address and node_worker_addresses, or keep engines on the "
                 "pool's node"
             )
+        if self._config.yuanrong.node_worker_addresses:
+            ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+            if node_id in ips:
+                self._config.yuanrong.address_on(ips[node_id])  # ConfigError if none
 
     async def node_actors(self, node_id: str, slot: int) -> launcher.NodeActors:
         """Slot ``slot``'s actors on ``node_id``, made on first request (idempotent)."""
@@ -147,9 +149,8 @@ class PoolManagerActor:
         self._check_node(node_id)
         async with self._making.setdefault(node_id, asyncio.Lock()):
             if node_id not in self._lookups:
-                address = launcher.rank_address(self._config, 0, self._address)
                 self._lookups[node_id] = await launcher.create_lookup_actor(
-                    self._config, self._actor_config_json, address, node_id
+                    self._config, self._actor_config_json, self._address, node_id
                 )
         return self._lookups[node_id]
 

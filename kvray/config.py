@@ -326,9 +326,12 @@ class YuanrongConfig(_Strict):
     """``host:port`` of the datasystem worker on the rank's node (``DS_WORKER_ADDR``; it
     must match that worker's ``dscli start --worker_address``). Unset: kvray starts a
     worker itself (embedded metastore, no etcd), for a pool on one node."""
-    rank_worker_addresses: tuple[HostPort, ...] = ()
-    """Per-rank worker addresses for pools that span nodes (rank r uses entry r; every
-    worker must share one etcd or metastore). Empty: every rank uses ``worker_address``."""
+    node_worker_addresses: dict[str, HostPort] = Field(default_factory=dict)
+    """The datasystem worker of each node for pools that span nodes: node IP (the address
+    Ray knows the node by, ``ray start --node-ip-address``) to that node's worker
+    ``host:port``. Every client connects to its own node's worker (clients share memory
+    with it); every worker must share one etcd or metastore. Empty: every client uses
+    ``worker_address``."""
     client_log_dir: str = Field(
         default_factory=lambda: os.path.join(tempfile.gettempdir(), "kvray", "ds-client-logs")
     )
@@ -352,18 +355,26 @@ class YuanrongConfig(_Strict):
 
     @model_validator(mode="after")
     def _distinct(self) -> YuanrongConfig:
-        if self.rank_worker_addresses and self.worker_address is None:
+        if self.node_worker_addresses and self.worker_address is None:
             raise ValueError(
-                "rank_worker_addresses needs external workers: set worker_address too "
-                "(DS_WORKER_ADDR), e.g. to the first rank's worker"
+                "node_worker_addresses needs external workers: set worker_address too "
+                "(DS_WORKER_ADDR), e.g. to the head node's worker"
             )
         return self
 
-    def address_for(self, rank: int) -> str | None:
-        """The worker rank ``rank`` connects to (None: the embedded worker)."""
-        if self.rank_worker_addresses:
-            return self.rank_worker_addresses[rank]
-        return self.worker_address
+    def address_on(self, node_ip: str) -> str | None:
+        """The worker the clients on node ``node_ip`` connect to (None: the embedded
+        worker)."""
+        if not self.node_worker_addresses:
+            return self.worker_address
+        try:
+            return self.node_worker_addresses[node_ip]
+        except KeyError:
+            raise ConfigError(
+                f"yuanrong.node_worker_addresses has no worker for node {node_ip} (it has "
+                f"{', '.join(sorted(self.node_worker_addresses))}): start a datasystem worker "
+                f'on that node and add "{node_ip}": "<its host:port>"'
+            ) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> YuanrongConfig:
@@ -687,6 +698,16 @@ class ConnectorConfig(_Strict):
     model_namespace: str | None = Field(None, pattern=r"^[^\s@]{1,200}$")
     """First part of every block key; default: the model directory's or id's last part.
     Engines share blocks only under the same namespace (and KV layout)."""
+    kv_placement: Literal["auto", "shared", "staged"] = "auto"
+    """Where the KV bytes move from and to. ``shared``: the engine's KV cache itself lives
+    in shared memory (CPU engines; no copy at all). ``staged``: the KV cache lives
+    anywhere (GPU, NPU, CPU); blocks are gathered into a pinned shared staging region and
+    scattered back. ``auto``: shared when vLLM allocated the KV cache through the
+    connector's memory pool context (CPU), else staged."""
+    kv_staging_size: ByteSize | None = None
+    """Staging region per worker (``staged``): bytes or ``"256MB"``. Default: room for
+    two of the engine's largest steps (``max_num_batched_tokens`` worth of blocks each).
+    A transfer larger than staging is split, never refused."""
 
     @field_validator("prefill_pp_layer_partition")
     @classmethod
@@ -794,16 +815,6 @@ class PoolConfig(_Strict):
                 f"replica_num {self.replica_num} needs backend mooncake: the {self.backend} "
                 "client kvray uses has no per-put replica count (its servers own placement); "
                 "set replica_num: 1"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _rank_addresses(self) -> PoolConfig:
-        n = len(self.yuanrong.rank_worker_addresses)
-        if n and n != self.world_size:
-            raise ValueError(
-                f"yuanrong.rank_worker_addresses has {n} entries but world_size is "
-                f"{self.world_size}: give one worker address per rank"
             )
         return self
 

@@ -280,7 +280,7 @@ async def create_node_actors(
         BackendClientActor,
         client_name(config.name, node_id, slot),
         32,
-        rank_address(config, slot, server_address),
+        server_address,
         ssd,
     )
     made = [client] + ([ssd] if ssd is not None else [])
@@ -329,19 +329,18 @@ def actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
 
 def on_this_node(config: PoolConfig) -> PoolConfig:
     """``config`` with what depends on the node filled in (called inside node actors):
-    a Mooncake client advertises the address Ray knows its node by."""
+    a Mooncake client advertises the address Ray knows its node by; a datasystem client
+    connects to its node's worker (``yuanrong.node_worker_addresses``)."""
     if config.backend == "mooncake" and config.mooncake.local_hostname is None:
         address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         mooncake = config.mooncake.model_copy(update={"local_hostname": address})
         return config.model_copy(update={"mooncake": mooncake})
+    if config.backend == "yuanrong" and config.yuanrong.node_worker_addresses:
+        node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        worker = config.yuanrong.address_on(node_ip)
+        yuanrong = config.yuanrong.model_copy(update={"worker_address": worker})
+        return config.model_copy(update={"yuanrong": yuanrong})
     return config
-
-
-def rank_address(config: PoolConfig, slot: int, server_address: str) -> str:
-    """The server slot ``slot``'s clients connect to."""
-    if config.backend == "yuanrong":
-        return config.yuanrong.address_for(slot) or server_address
-    return server_address
 
 
 async def _check_started(actors: list[Any], node_id: str, config: PoolConfig) -> None:

@@ -21,6 +21,10 @@ def ray_cluster():
     from kvray.ray_env import ray_init
 
     # Logical CPUs: actors reserve fractions; the real 2 cores are shared anyway.
-    ray_init("local", num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
+    # num_gpus: one slot for vLLM's Ray executor under the test-only platform
+    # (kvray.testing.vllm_ray_cpu); a Ray resource only, no CUDA.
+    ray_init(
+        "local", num_cpus=4, num_gpus=1, include_dashboard=False, object_store_memory=200 << 20
+    )
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

@@ -30,14 +30,14 @@ def make_backend(
             config.memcache, contribute_memory=contribute_memory, io_threads=config.io_threads
         )
     if config.backend == "yuanrong":
-        # A datasystem client contributes no memory either way: the worker owns it.
+        # A datasystem client contributes no memory either way: the worker owns it. It
+        # connects to its node's worker (set by launcher.on_this_node), else the pool's.
+        address = config.yuanrong.worker_address or server_address
         if config.yuanrong.device == "npu":
             from kvray.backends.yuanrong_npu import YuanrongDeviceBackend
 
-            return YuanrongDeviceBackend(
-                config.yuanrong, server_address, io_threads=config.io_threads
-            )
+            return YuanrongDeviceBackend(config.yuanrong, address, io_threads=config.io_threads)
         from kvray.backends.yuanrong import YuanrongBackend
 
-        return YuanrongBackend(config.yuanrong, server_address, io_threads=config.io_threads)
+        return YuanrongBackend(config.yuanrong, address, io_threads=config.io_threads)
     raise AssertionError(f"PoolConfig validation admitted unknown backend {config.backend!r}")

@@ -66,10 +66,23 @@ class Node:
 class TwoNodeCluster:
     """Nodes ``A`` (the head) and ``B``, and the Ray cluster on them."""
 
-    def __init__(self, tmp: Path, *, port: int = 6399, cpus: int = 4) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        port: int = 6399,
+        cpus: int = 4,
+        gpus: int = 0,
+        raylet_env: dict[str, str] | None = None,
+    ) -> None:
+        """``gpus``: the ``--num-gpus`` each node advertises (Ray resources only, slots
+        for vLLM's Ray executor under ``kvray.testing.vllm_ray_cpu``); ``raylet_env``:
+        extra environment of each node's Ray processes (their workers inherit it)."""
         self.tmp = tmp
         self.port = port
         self.cpus = cpus
+        self.gpus = gpus
+        self.raylet_env = dict(raylet_env or {})
         self.address = f"127.0.0.1:{port}"
         self.nodes: dict[str, Node] = {}
 
@@ -93,6 +106,7 @@ class TwoNodeCluster:
             "RAY_AUTH_MODE": "disabled",
             "RAY_ADDRESS": self.address,
             "KVRAY_NODE_IP_ADDRESS": node.ip,
+            "VLLM_HOST_IP": node.ip,  # vLLM's "this node's address" (else: the default route)
             "PYTHONUNBUFFERED": "1",
             **extra,
         }
@@ -121,8 +135,9 @@ class TwoNodeCluster:
         with open(self.tmp / f"ray-{node.name}.log", "w") as log:
             return subprocess.Popen(
                 node.argv(RAY, "start", "--block", "--node-ip-address", node.ip,
-                          "--num-cpus", str(self.cpus), "--disable-usage-stats", *args),
-                env=self.env(node), stdout=log, stderr=subprocess.STDOUT,
+                          "--num-cpus", str(self.cpus), "--num-gpus", str(self.gpus),
+                          "--disable-usage-stats", *args),
+                env=self.env(node, **self.raylet_env), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
 

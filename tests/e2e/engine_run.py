@@ -66,6 +66,14 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     os.environ.update(spec.get("env", {}))
+    if spec.get("ray_env"):
+        # Join the cluster as a job whose runtime env carries these variables: Ray starts
+        # the job's workers (vLLM's Ray-executor workers too) with them.
+        from kvray.ray_env import ray_init
+
+        ray_init(
+            os.environ["RAY_ADDRESS"], runtime_env={"env_vars": spec["ray_env"]}, log_to_driver=True
+        )
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

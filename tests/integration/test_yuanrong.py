@@ -23,7 +23,7 @@ from kvray.backends.base import KeyStatus
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import DatasystemWorkerConfig, YuanrongConfig
 from kvray.datasystem import DatasystemWorker
-from kvray.errors import BackendUnavailableError
+from kvray.errors import BackendUnavailableError, ConfigError
 from kvray.naming import manager_name, region_prefix
 from kvray.shm import mapped_regions
 
@@ -256,18 +256,22 @@ def test_embedded_worker_pool_lifecycle(ray_cluster):
     assert pool_actor_names(cfg) == []
 
 
-def test_pool_over_per_rank_workers(ray_cluster, ds_worker, ds_worker2):
+def test_clients_use_their_nodes_worker(ray_cluster, ds_worker, ds_worker2):
+    """``node_worker_addresses``: this node's clients connect to the worker mapped to its
+    IP (here ds_worker2, not the pool's ``worker_address``); a node with no entry is
+    refused with the field and the fix named."""
+    node_ip = ray.util.get_node_ip_address()
     cfg = small_config(
         None,
         backend="yuanrong",
         yuanrong={
             "worker_address": ds_worker.address,
-            "rank_worker_addresses": [ds_worker.address, ds_worker2.address],
+            "node_worker_addresses": {node_ip: ds_worker2.address},
         },
     )
     with Pool.start(cfg) as pool:
         infos = [r.segment for r in pool.stats().ranks]
-        assert infos == [f"worker {ds_worker.address}", f"worker {ds_worker2.address}"]
+        assert infos == [f"worker {ds_worker2.address}"] * 2
         value = np.random.default_rng(6).integers(0, 256, 1 << 20, dtype=np.uint8)
         pool.put(f"{cfg.name}-x", value, rank=0)
         got = pool.get(f"{cfg.name}-x", shape=value.shape, rank=1)
@@ -275,6 +279,17 @@ def test_pool_over_per_rank_workers(ray_cluster, ds_worker, ds_worker2):
         assert "external datasystem worker" in pool.stats().table()
         pool.shutdown()
     assert ds_worker.alive() and ds_worker2.alive(), "external workers are not the pool's"
+    other = small_config(
+        None,
+        backend="yuanrong",
+        yuanrong={
+            "worker_address": ds_worker.address,
+            "node_worker_addresses": {"10.255.0.1": ds_worker2.address},
+        },
+    )
+    with pytest.raises(ConfigError, match=f"no worker for node {node_ip}"):
+        Pool.start(other)
+    assert pool_actor_names(other) == []
 
 
 def test_env_configured_pool_reads_ds_variables(ray_cluster, ds_worker, tmp_path):

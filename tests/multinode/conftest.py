@@ -35,5 +35,12 @@ def two_nodes():  # type: ignore[no-untyped-def]
     why = unavailable_reason()
     if why:
         pytest.skip(why)
-    with tempfile.TemporaryDirectory(prefix="kvray-mn-") as tmp, Cluster(Path(tmp)) as cluster:
+    from kvray.testing.vllm_ray_cpu import ENV
+
+    # One GPU resource per node and the test-only platform in the raylets' environment:
+    # slots for vLLM's Ray executor (test_tp_across_nodes.py); inert for everything else.
+    with (
+        tempfile.TemporaryDirectory(prefix="kvray-mn-") as tmp,
+        Cluster(Path(tmp), gpus=1, raylet_env={ENV: "1"}) as cluster,
+    ):
         yield cluster

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,64 +38,65 @@ def _post(two_nodes, port: int, body: dict) -> dict:  # type: ignore[no-untyped-
     return dict(json.loads(res.stdout))
 
 
-def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
-    import sys
-
-    from kvray.tiny_model import build_tiny_llama
-
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
-    two_nodes.json("A", "start", "mtp")
-    port = 18000
-    transfer = {
+def _transfer(pool: str) -> str:
+    return json.dumps({
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"pool_name": "mtp", "load_async": False},
-    }
-    common = ["--model", model, "--dtype", "float32", "--enforce-eager", "--max-model-len",
-              "4096", "--no-enable-prefix-caching", "--seed", "0",
-              "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+        "kv_connector_extra_config": {"pool_name": pool, "load_async": False},
+    })  # fmt: skip
+
+
+def _serve_store_and_load(
+    two_nodes,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    pool: str,
+    servers: list[tuple[str, str, list[str]]],
+    env: dict[str, str],
+) -> str:
+    """Start ``servers`` ((log name, node, python argv); the first serves the API on node
+    A), send one 3-block prompt twice, check that the second run loaded all 3 blocks from
+    the pool with the same greedy output, and that each node's client stored and loaded
+    its TP rank's half; returns the first server's log."""
+    port = 18000
     procs: list[subprocess.Popen] = []
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("head", "headless")}  # noqa: SIM115
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name, _, _ in servers}  # noqa: SIM115
     try:
-        for name, node, argv in (
-            ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank",
-                           "0", "--host", "127.0.0.1", "--port", str(port)]),
-            ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
-                               "--api-server-count", "0", "--headless"]),
-        ):  # fmt: skip
+        for name, node, argv in servers:
+            if name == servers[0][0]:
+                argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
             n = two_nodes.nodes[node]
             procs.append(subprocess.Popen(
                 n.argv(sys.executable, *argv), env=two_nodes.env(n, **env),
                 stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True,
             ))  # fmt: skip
+        head_log = tmp_path / f"{servers[0][0]}.log"
         deadline = time.monotonic() + 420
         health = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health')"
         while two_nodes.run_python("A", health, check=False, timeout=30).returncode != 0:
             for p, name in zip(procs, logs, strict=True):
                 assert p.poll() is None, (tmp_path / f"{name}.log").read_text()[-6000:]
-            assert time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-6000:]
+            assert time.monotonic() < deadline, head_log.read_text()[-6000:]
             time.sleep(2)
         prompt = np.random.default_rng(31).integers(3, 1000, 3 * BLOCK + 9).tolist()
-        body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
-                "return_token_ids": True}  # fmt: skip
+        body = {"model": servers[0][2][servers[0][2].index("--model") + 1], "prompt": prompt,
+                "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
         first = _post(two_nodes, port, body)
         second = _post(two_nodes, port, body)
         assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
         time.sleep(1)
-        log = (tmp_path / "head.log").read_text()
+        log = head_log.read_text()
         lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
         counts = [dict(kv.split("=") for kv in line.split()) for line in lines]
         assert [(c["saved"], c["hit_pool"], c["loaded"]) for c in counts] == [
             ("3", "0", "0"), ("0", "3", "3")], counts  # fmt: skip
-        status = two_nodes.json("A", "status", "mtp")
+        status = two_nodes.json("A", "status", pool)
         by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
         # each node's client stored its TP rank's half of the 3 blocks and loaded it back
         for ip in ("127.0.0.1", "127.0.0.2"):
             assert by_node[ip]["put_keys"] == 3 and by_node[ip]["get_keys"] == 3, status["table"]
+        return log
     finally:
         for p in procs:
             if p.poll() is None:
@@ -107,4 +109,47 @@ def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
                 p.wait(10)
         for f in logs.values():
             f.close()
-        two_nodes.run("A", "down", "mtp", check=False)
+        two_nodes.run("A", "down", pool, check=False)
+
+
+def _common(model: str, pool: str) -> list[str]:
+    return ["--model", model, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+            "4096", "--no-enable-prefix-caching", "--seed", "0", "--tensor-parallel-size", "2",
+            "--kv-transfer-config", _transfer(pool)]  # fmt: skip
+
+
+def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
+    from kvray.tiny_model import build_tiny_llama
+
+    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+    two_nodes.json("A", "start", "mtp")
+    common = [*_common(model, "mtp"), "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    _serve_store_and_load(two_nodes, tmp_path, "mtp", [
+        ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank", "0"]),
+        ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
+                           "--api-server-count", "0", "--headless"]),
+    ], env)  # fmt: skip
+
+
+def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
+    """``--distributed-executor-backend ray``: vLLM places its two TP workers as Ray actors
+    in its own placement group (one ``GPU`` bundle per worker: each node advertises one),
+    so one lands on each node; kvray's connector runs inside those actors and uses the
+    client of the actor's node. vLLM's CPU platform refuses Ray, so the server and the
+    raylets run the test-only platform ``kvray.testing.vllm_ray_cpu`` (CPU workers placed
+    as Ray ``GPU`` resources); the executor, placement, workers and kvray are vLLM's and
+    kvray's real code."""
+    from kvray.testing.vllm_ray_cpu import ENV
+    from kvray.tiny_model import build_tiny_llama
+
+    assert two_nodes.gpus == 1 and two_nodes.raylet_env.get(ENV) == "1"
+    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+    two_nodes.json("A", "start", "mray")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
+    argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(model, "mray"),
+            "--distributed-executor-backend", "ray"]  # fmt: skip
+    log = _serve_store_and_load(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env)
+    # The workers were vLLM's Ray worker actors (the mp executor's are "Worker_TP<n>"
+    # processes), and the per-node client counts above show one ran on each node.
+    assert "RayWorkerProc pid=" in log, log[-3000:]

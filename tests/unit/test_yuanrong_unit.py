@@ -58,22 +58,31 @@ def test_pool_config_reads_ds_variables_only_for_yuanrong():
     assert mc.mooncake.master_server_address == "127.0.0.1:50051"
 
 
-def test_per_rank_worker_addresses():
+def test_node_worker_addresses():
     data = {
         "backend": "yuanrong",
-        "world_size": 2,
         "yuanrong": {
             "worker_address": "10.0.0.1:31501",
-            "rank_worker_addresses": ["10.0.0.1:31501", "10.0.0.2:31501"],
+            "node_worker_addresses": {"10.0.0.1": "10.0.0.1:31501", "10.0.0.2": "10.0.0.2:31501"},
         },
     }
     cfg = PoolConfig.from_dict(data, environ={})
-    assert [cfg.yuanrong.address_for(r) for r in (0, 1)] == ["10.0.0.1:31501", "10.0.0.2:31501"]
-    with pytest.raises(ConfigError, match="rank_worker_addresses has 2 entries but world_size"):
-        PoolConfig.from_dict({**data, "world_size": 3}, environ={})
-    without = {"rank_worker_addresses": ["10.0.0.1:31501"]}
+    assert [cfg.yuanrong.address_on(ip) for ip in ("10.0.0.1", "10.0.0.2")] == [
+        "10.0.0.1:31501",
+        "10.0.0.2:31501",
+    ]
+    with pytest.raises(ConfigError, match=r"no worker for node 10\.0\.0\.3 .*add \"10\.0\.0\.3\""):
+        cfg.yuanrong.address_on("10.0.0.3")
+    plain = PoolConfig.from_dict(
+        {**data, "yuanrong": {"worker_address": "10.0.0.1:31501"}}, environ={}
+    )
+    assert plain.yuanrong.address_on("10.0.0.9") == "10.0.0.1:31501"  # one worker for all
+    without = {"node_worker_addresses": {"10.0.0.1": "10.0.0.1:31501"}}
     with pytest.raises(ConfigError, match="set worker_address too"):
         PoolConfig.from_dict({"backend": "yuanrong", "yuanrong": without}, environ={})
+    bad = {"worker_address": "10.0.0.1:31501", "node_worker_addresses": {"10.0.0.2": "nope"}}
+    with pytest.raises(ConfigError, match=r"yuanrong\.node_worker_addresses\.10\.0\.0\.2"):
+        PoolConfig.from_dict({"backend": "yuanrong", "yuanrong": bad}, environ={})
 
 
 def test_typos_and_bad_values_are_named():

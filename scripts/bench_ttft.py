@@ -8,7 +8,11 @@ alone in the engine) is measured. Configurations:
 
 - ``full``: no connector, prefix caching off: everything is computed;
 - ``local``: vLLM prefix caching on, prefix resident in the engine (the ideal);
-- ``kvray``: KVRayConnector, prefix caching off: the prefix comes from the kvray pool;
+- ``kvray``: KVRayConnector, prefix caching off: the prefix comes from the kvray pool
+  (``shared`` placement: the KV cache is the shared region);
+- ``staged`` (with ``--placement staged``): the same through the ``staged`` placement
+  (blocks gathered into and scattered from a staging region: the GPU/NPU path), so its
+  overhead over ``shared`` shows;
 - ``peer``: vLLM's MooncakeStoreConnector (embedded mode, own mooncake_master with the
   pool master's settings), prefix caching off.
 
@@ -19,6 +23,7 @@ The model is a locally built Llama with dummy-sized compute (random weights) so 
 prefill dominates as on real hardware.
 
     .venv/bin/python scripts/bench_ttft.py --json bench-results/bench_ttft.json
+    .venv/bin/python scripts/bench_ttft.py --placement staged --configs full,local,kvray
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 CONFIGS = ("full", "local", "kvray", "peer")
+CONNECTOR_PLACEMENT = {"kvray": "shared", "staged": "staged"}
 BLOCK = 128
 
 
@@ -59,12 +65,18 @@ def worker(spec_path: str, out_path: str) -> int:
 
     name = spec["config"]
     kwargs: dict[str, Any] = {"enable_prefix_caching": name == "local"}
-    if name == "kvray":
+    if name in CONNECTOR_PLACEMENT:
+        extra = {
+            "pool_name": spec["pool"],
+            "load_async": False,
+            "kv_placement": CONNECTOR_PLACEMENT[name],
+            "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
+        }
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVRayConnector",
             "kv_connector_module_path": "kvray.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"pool_name": spec["pool"], "load_async": False},
+            "kv_connector_extra_config": extra,
         }
     elif name == "peer":
         kwargs["kv_transfer_config"] = {
@@ -166,6 +178,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument(
+        "--placement",
+        choices=("shared", "staged"),
+        default="shared",
+        help="staged: also run KVRayConnector with kv_placement staged (config 'staged')",
+    )
+    parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
@@ -186,6 +204,8 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
     configs = args.configs.split(",")
+    if args.placement == "staged" and "staged" not in configs:
+        configs.append("staged")
     log(f"== building the model in {args.model_dir}")
     model = build_prefill_bound_llama(args.model_dir)
     spec = {
@@ -262,6 +282,7 @@ def main() -> int:
         for name, key in (
             ("local", "ttft_local_s"),
             ("kvray", "ttft_kvray_s"),
+            ("staged", "ttft_staged_s"),
             ("peer", "ttft_peer_s"),
         ):
             if name in results:
@@ -274,10 +295,17 @@ def main() -> int:
             return "-"
         return f"{(row['ttft_full_s'] - row[key]) / ideal:.2f}"
 
+    def overhead(row: dict[str, Any]) -> str:
+        if "ttft_staged_s" not in row or "ttft_kvray_s" not in row:
+            return "-"
+        return f"{(row['ttft_staged_s'] - row['ttft_kvray_s']) / row['ttft_staged_s']:+.2f}"
+
+    staged = "staged" in results
     print()
     print(
         f"{'input':>6} {'hit':>5} {'full ms':>9} {'ideal ms':>9} {'kvray ms':>9} {'peer ms':>9}"
         f" {'kvray saving':>13} {'peer saving':>12}"
+        + (f" {'staged ms':>10} {'staged saving':>14} {'staging share':>14}" if staged else "")
     )
     for r in rows:
 
@@ -288,10 +316,16 @@ def main() -> int:
             f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {ms('ttft_full_s')} {ms('ttft_local_s')}"
             f" {ms('ttft_kvray_s')} {ms('ttft_peer_s')} {saving(r, 'ttft_kvray_s'):>13}"
             f" {saving(r, 'ttft_peer_s'):>12}"
+            + (
+                f" {ms('ttft_staged_s'):>10} {saving(r, 'ttft_staged_s'):>14} {overhead(r):>14}"
+                if staged
+                else ""
+            )
         )
     print(
         "\nsaving = (full - x) / (full - ideal); target: kvray >= 0.9 in every row with hits, "
         "and kvray TTFT <= peer TTFT"
+        + ("; staging share = (staged - kvray) / staged" if staged else "")
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +350,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ("ttft_full_s", "full compute"),
             ("ttft_local_s", "vLLM prefix cache (ideal)"),
             ("ttft_kvray_s", "KVRayConnector"),
+            ("ttft_staged_s", "KVRayConnector (staged)"),
             ("ttft_peer_s", "MooncakeStoreConnector"),
         ):
             if all(key in r for r in sel):

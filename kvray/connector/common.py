@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvray.config import ConnectorConfig, validate
+from kvray.config import ConnectorConfig, PoolConfig, validate
 from kvray.errors import ConfigError
 from kvray.keys import KeySpace, KVLayout
 
@@ -32,6 +32,12 @@ class InstanceInfo:
     split_stages: bool = False
     """Blocks are split by the prefill's PP layer partition (this instance has no PP,
     ``prefill_pp_size`` > 1): one key per prefill stage."""
+    num_blocks: int = 0
+    """The engine's KV blocks (``kv_cache_config.num_blocks``): finds the block
+    dimension of each layer's cache on the staged path."""
+    max_step_blocks: int = 0
+    """Blocks of the engine's largest step (``max_num_batched_tokens``): sizes the
+    default staging region."""
 
     @property
     def can_load(self) -> bool:
@@ -93,7 +99,34 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     # kv_load_failure_policy is not ours to read: vLLM's scheduler applies the top-level
     # config's (MultiConnector's, when kvray is one of its children) to the block ids
     # get_block_ids_with_load_errors reports.
-    return InstanceInfo(cfg, space, spec.block_size, str(transfer.kv_role), split)
+    step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    return InstanceInfo(
+        cfg,
+        space,
+        spec.block_size,
+        str(transfer.kv_role),
+        split,
+        num_blocks=int(kv_cache_config.num_blocks),
+        max_step_blocks=-(-int(step_tokens) // spec.block_size),
+    )
+
+
+def check_host_transfers(pool: PoolConfig) -> None:
+    """The connector hands the pool's clients host shared memory in both placements (on
+    a GPU or NPU the staged placement copies blocks to and from it), so a pool whose
+    clients move device memory cannot serve it: refused here, naming the setting."""
+    if pool.backend == "yuanrong" and pool.yuanrong.device == "npu":
+        raise ConfigError(
+            f"kvray pool {pool.name!r} runs yuanrong.device 'npu' (its clients move NPU "
+            "memory), but KVRayConnector moves KV blocks through host shared memory (NPU "
+            "engines via kv_placement 'staged'): start the pool with yuanrong.device 'host'"
+        )
+    if pool.backend == "memcache" and pool.memcache.region == "device":
+        raise ConfigError(
+            f"kvray pool {pool.name!r} runs memcache.region 'device' (its clients move NPU "
+            "memory), but KVRayConnector moves KV blocks through host shared memory (NPU "
+            "engines via kv_placement 'staged'): start the pool with memcache.region 'host'"
+        )
 
 
 def attach_pool(cfg: ConnectorConfig) -> PoolHandles:
@@ -108,6 +141,7 @@ def attach_pool(cfg: ConnectorConfig) -> PoolHandles:
             cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto", namespace=cfg.namespace
         )
     handles = launcher.attach(cfg.pool_name, cfg.namespace)
+    check_host_transfers(handles.config)
     if handles.config.backend != cfg.backend:
         raise ConfigError(
             f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "

@@ -1,6 +1,9 @@
 """KVRayConnector on real vLLM engines: loads are byte-exact (greedy outputs equal a run
 without the connector), only shared prefixes load, the pool outlives engines, and a
-failed load recomputes or fails the request as the policy says."""
+failed load recomputes or fails the request as the policy says. Every test runs in both
+placements: ``shared`` (the KV cache is the shared region) and ``staged`` (blocks go
+through a staging region: the GPU/NPU code path, on CPU tensors), each under its own key
+namespace; and blocks one placement stored load in the other."""
 
 from __future__ import annotations
 
@@ -15,16 +18,34 @@ from .conftest import (
     P2,
     P3,
     assert_no_region_left,
-    connector,
     request_lines,
     run_engine,
     start_engine,
 )
+from .conftest import connector as _connector
 
 pytestmark = pytest.mark.e2e
 
 
-def test_save_then_load_matches_baseline(pool, ray_cluster, tiny_model, baseline, tmp_path):
+@pytest.fixture(scope="module", params=["shared", "staged"])
+def placement(request):  # type: ignore[no-untyped-def]
+    return request.param
+
+
+@pytest.fixture
+def connector(placement):  # type: ignore[no-untyped-def]
+    """The e2e connector config in this placement, under its own namespace (both run on
+    one pool: each group of tests starts from an empty namespace)."""
+
+    def make(**extra):  # type: ignore[no-untyped-def]
+        return _connector(kv_placement=placement, model_namespace=f"tiny-{placement}", **extra)
+
+    return make
+
+
+def test_save_then_load_matches_baseline(
+    pool, ray_cluster, tiny_model, baseline, tmp_path, connector, placement
+):
     out = run_engine(
         ray_cluster,
         tmp_path,
@@ -54,9 +75,12 @@ def test_save_then_load_matches_baseline(pool, ray_cluster, tiny_model, baseline
     assert lines[2]["hit_pool"] == 2 and lines[2]["loaded"] == 2 and lines[2]["saved"] == 1
     stats = pool.stats().total
     assert stats.get_keys >= 6 and stats.put_keys >= 5
+    assert f"{placement} placement" in out["log"], out["log"][-3000:]
 
 
-def test_pool_outlives_engine_and_async_load(pool, ray_cluster, tiny_model, baseline, tmp_path):
+def test_pool_outlives_engine_and_async_load(
+    pool, ray_cluster, tiny_model, baseline, tmp_path, connector
+):
     """A new engine process (async loads this time) hits what the previous one saved."""
     out = run_engine(
         ray_cluster,
@@ -73,7 +97,7 @@ def test_pool_outlives_engine_and_async_load(pool, ray_cluster, tiny_model, base
     assert line["hit_pool"] == 4 and line["loaded"] == 4 and line["failed"] == 0
 
 
-def store_then_drop(ray_cluster, tmp_path, tiny_model, connector_cfg):  # type: ignore[no-untyped-def]
+def store_then_drop(ray_cluster, tmp_path, tiny_model, connector, connector_cfg):  # type: ignore[no-untyped-def]
     """Store P3's blocks with one engine, then run P3 on a fresh engine whose hit blocks are
     removed from the pool between its lookup and its load."""
     run_engine(
@@ -86,9 +110,11 @@ def store_then_drop(ray_cluster, tmp_path, tiny_model, connector_cfg):  # type: 
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_failed_load_recomputes(pool, ray_cluster, tiny_model, baseline, tmp_path, load_async):
+def test_failed_load_recomputes(
+    pool, ray_cluster, tiny_model, baseline, tmp_path, load_async, connector
+):
     cfg = {**connector(load_async=load_async), "policy": "recompute"}
-    out = store_then_drop(ray_cluster, tmp_path, tiny_model, cfg)
+    out = store_then_drop(ray_cluster, tmp_path, tiny_model, connector, cfg)
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
     (line,) = request_lines(out["log"])
     # Async: the failed request goes through lookup again (now a miss), is recomputed,
@@ -96,15 +122,21 @@ def test_failed_load_recomputes(pool, ray_cluster, tiny_model, baseline, tmp_pat
     assert (line["hit_pool"], line["failed"], line["loaded"], line["saved"]) == (3, 3, 0, 3)
 
 
-def test_failed_load_fails_request_under_fail_policy(pool, ray_cluster, tiny_model, tmp_path):
-    out = store_then_drop(ray_cluster, tmp_path, tiny_model, {**connector(), "policy": "fail"})
+def test_failed_load_fails_request_under_fail_policy(
+    pool, ray_cluster, tiny_model, tmp_path, connector
+):
+    cfg = {**connector(), "policy": "fail"}
+    out = store_then_drop(ray_cluster, tmp_path, tiny_model, connector, cfg)
     assert out["runs"][0]["finish_reasons"] == ["error"]
 
 
-def test_sigkilled_engine_leaves_no_region(pool, ray_cluster, tiny_model, baseline, tmp_path):
-    """An engine killed with SIGKILL (OOM killer, node drain) runs no exit handler: its KV
-    cache region (1 GiB here) must still not outlive it, neither as a /dev/shm file nor
-    as memory the rank's BackendClient actor keeps mapped. What it saved stays a hit."""
+def test_sigkilled_engine_leaves_no_region(
+    pool, ray_cluster, tiny_model, baseline, tmp_path, connector, placement
+):
+    """An engine killed with SIGKILL (OOM killer, node drain) runs no exit handler: its
+    region (the 1 GiB KV cache when shared, the staging region when staged) must still
+    not outlive it, neither as a /dev/shm file nor as memory the rank's BackendClient
+    actor keeps mapped. What it saved stays a hit."""
     proc = start_engine(
         ray_cluster,
         tmp_path,
@@ -124,8 +156,9 @@ def test_sigkilled_engine_leaves_no_region(pool, ray_cluster, tiny_model, baseli
                 break
         else:
             pytest.fail(f"engine exited ({proc.wait()}):\n{proc.stderr.read()[-6000:]}")  # type: ignore[union-attr]
-        regions = [n for names in mapped_regions("kvray-e2e-kv-").values() for n in names]
-        assert any(n.startswith(f"kvray-e2e-kv-{proc.pid}-") for n in regions), regions
+        prefix = "kvray-e2e-kv-" if placement == "shared" else "kvray-e2e-stage-"
+        regions = [n for names in mapped_regions(prefix).values() for n in names]
+        assert any(n.startswith(f"{prefix}{proc.pid}-") for n in regions), regions
     finally:
         proc.kill()
         proc.communicate(timeout=60)
@@ -138,3 +171,20 @@ def test_sigkilled_engine_leaves_no_region(pool, ray_cluster, tiny_model, baseli
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
     (line,) = request_lines(out["log"])
     assert line["hit_pool"] == 3 and line["loaded"] == 3 and line["failed"] == 0
+
+
+def test_staged_loads_what_shared_stored(pool, ray_cluster, tiny_model, baseline, tmp_path):
+    """One key layout for both placements: the bytes a staged engine gathers are the
+    blocks a shared engine stored, so it loads them and generates the same tokens."""
+    ns = {"model_namespace": "tiny-interop", "load_async": False}
+    run_engine(ray_cluster, tmp_path, "as-shared", {
+        "model": tiny_model, "connector": _connector(kv_placement="shared", **ns),
+        "runs": [[P1]], "wait_saves_for": "e2e",
+    })  # fmt: skip
+    out = run_engine(ray_cluster, tmp_path, "as-staged", {
+        "model": tiny_model, "connector": _connector(kv_placement="staged", **ns),
+        "runs": [[P1]],
+    })  # fmt: skip
+    assert out["runs"][0]["outputs"][0] == baseline["P1"]
+    (line,) = request_lines(out["log"])
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0)

@@ -77,6 +77,8 @@ class PoolManagerActor:
         self._actor_config_json = launcher.actor_config(config, self._resolved)
         self._nodes: dict[tuple[str, int], launcher.NodeActors] = {}
         self._lookups: dict[str, Any] = {}
+        self._geometries: dict[str, str] = {}
+        """``namespace@layout`` -> the block geometry its stored bytes have."""
         self._making: dict[Any, asyncio.Lock] = {}
         self._gone_since: dict[str, float] = {}
         self._reconciler: asyncio.Task[None] | None = None
@@ -166,6 +168,12 @@ class PoolManagerActor:
         actors = [a.client for a in self._nodes.values()]
         actors += [a.ssd for a in self._nodes.values() if a.ssd is not None]
         return actors + list(self._lookups.values())
+
+    async def claim_geometry(self, keys: str, geometry: str) -> str:
+        """The block geometry of keys ``keys`` (``namespace@layout``): the first engine's
+        claim stands; an engine comparing its own with the answer never writes bytes of
+        another shape under the same keys."""
+        return self._geometries.setdefault(keys, geometry)
 
     async def spec(self) -> dict[str, Any]:
         return {

@@ -29,6 +29,7 @@ import ray
 
 from kvray.backends.base import KeyStatus
 from kvray.connector.common import InstanceInfo, attach_pool
+from kvray.connector.kv_geometry import check_uniform, geometry_tag, layer_geometry
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.pp import split_by_stage, stage_ranges
 from kvray.connector.shm_kv import SharedKVAllocator
@@ -45,6 +46,16 @@ if TYPE_CHECKING:
     from kvray.shm import SharedRegion
 
 logger = logging.getLogger(__name__)
+
+
+def check_geometry_claim(keys: str, mine: str, claimed: str) -> None:
+    if claimed != mine:
+        raise ConfigError(
+            f"KVRayConnector: the pool holds blocks under {keys} whose bytes are shaped "
+            f"{claimed}, but this engine's KV blocks are shaped {mine} (another attention "
+            "backend or platform): its loads would be wrong bytes. Give this engine its own "
+            "model_namespace in kv_connector_extra_config"
+        )
 
 
 def _rank() -> tuple[int, int, int]:
@@ -147,6 +158,7 @@ class KVRayWorker:
         else:
             self._register_staged(kv_caches)
             placement = "staged"
+        self._claim_geometry(kv_caches)
         if self.info.split_stages:
             parts = self.info.config.layer_partition(self._num_layers)  # checks the sum
             planes = self._stager.planes_per_layer if self._stager else 1
@@ -160,6 +172,22 @@ class KVRayWorker:
             placement,
             self._region_spec.region_id,
         )
+
+    def _claim_geometry(self, kv_caches: Mapping[str, KVEntry]) -> None:
+        """The key's layout tag names dtype, block size and head split, not the order of
+        a block's bytes, which depends on the attention backend. The pool remembers the
+        geometry of each ``namespace@layout``; an engine whose blocks have another one
+        (another backend or platform) is refused before it writes or reads a block."""
+        if self._stager is not None:
+            geometry = self._stager.geometry
+        else:
+            geoms = {n: layer_geometry(e, self.info.num_blocks, n) for n, e in kv_caches.items()}
+            geometry = check_uniform(geoms)
+        mine = geometry_tag(geometry)
+        space = self.info.space
+        keys = f"{space.namespace}@{space.layout}"
+        claimed = ray.get(self._handles.manager.claim_geometry.remote(keys, mine), timeout=60)
+        check_geometry_claim(keys, mine, claimed)
 
     def _register_shared(self, region: SharedRegion, kv_caches: Mapping[str, KVEntry]) -> None:
         layers = list(kv_caches.values())

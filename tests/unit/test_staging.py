@@ -215,3 +215,12 @@ def test_pools_that_move_device_memory_are_refused_by_the_connector():
     dev = {"backend": "memcache", "memcache": {"region": "device"}}
     with pytest.raises(ConfigError, match="start the pool with memcache.region 'host'"):
         check_host_transfers(PoolConfig.from_dict(dev, environ={}))
+
+
+def test_an_engine_with_other_block_shapes_is_refused():
+    pytest.importorskip("vllm", reason="the connector package imports vLLM")
+    from kvray.connector.worker import check_geometry_claim
+
+    check_geometry_claim("m@float16-b16-h4x64", "p4x16x128", "p4x16x128")
+    with pytest.raises(ConfigError, match="shaped p4x16x128.*own model_namespace"):
+        check_geometry_claim("m@float16-b16-h4x64", "p16x4x64.p16x4x64", "p4x16x128")

@@ -20,21 +20,29 @@ def pool2(ray_cluster):
 
 # vLLM binds each CPU worker's threads; with one NUMA node the binding must be given.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+PROMPT = prompts(11, 3 * BLOCK + 20)
 
 
-def test_tp2_ranks_store_and_load_their_halves(pool2, ray_cluster, tiny_model, tmp_path):
-    prompt = prompts(11, 3 * BLOCK + 20)
-    conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray"}}
-    base = run_engine(
-        ray_cluster, tmp_path, "tp-base",
-        {"model": tiny_model, "connector": None, "tp": 2, "env": TP_ENV, "runs": [[prompt]]},
+@pytest.fixture(scope="module")
+def tp_baseline(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """TP=2 greedy tokens of PROMPT without a connector."""
+    out = run_engine(
+        ray_cluster, tmp_path_factory.mktemp("tp-base"), "tp-base",
+        {"model": tiny_model, "connector": None, "tp": 2, "env": TP_ENV, "runs": [[PROMPT]]},
     )  # fmt: skip
+    return out["runs"][0]["outputs"][0]
+
+
+def test_tp2_ranks_store_and_load_their_halves(
+    pool2, ray_cluster, tiny_model, tp_baseline, tmp_path
+):
+    conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray"}}
     out = run_engine(
         ray_cluster, tmp_path, "tp",
         {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV,
-         "runs": [[prompt], [prompt]], "wait_saves_for": "e2e-tp"},
+         "runs": [[PROMPT], [PROMPT]], "wait_saves_for": "e2e-tp"},
     )  # fmt: skip
-    assert [r["outputs"][0] for r in out["runs"]] == [base["runs"][0]["outputs"][0]] * 2
+    assert [r["outputs"][0] for r in out["runs"]] == [tp_baseline] * 2
     first, second = [line for line in out["log"].splitlines() if "request_id=" in line][:2]
     assert "hit_pool=0" in first and "saved=3" in first
     assert "hit_pool=3" in second and "loaded=3" in second
@@ -42,3 +50,22 @@ def test_tp2_ranks_store_and_load_their_halves(pool2, ray_cluster, tiny_model, t
     ranks = pool2.stats().ranks
     assert [r.stats.put_keys for r in ranks] == [3, 3]
     assert [r.stats.get_keys for r in ranks] == [3, 3]
+
+
+def test_tp2_staged_loads_what_tp2_shared_stored(
+    pool2, ray_cluster, tiny_model, tp_baseline, tmp_path
+):
+    """The staged placement with two workers: each rank gathers its half of the heads
+    into its own staging region and loads (into its KV cache) the half its rank stored
+    through the shared placement in the test above: same keys, same bytes, same tokens."""
+    conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray", "kv_placement": "staged"}}
+    out = run_engine(
+        ray_cluster, tmp_path, "tp-staged",
+        {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV, "runs": [[PROMPT]]},
+    )  # fmt: skip
+    assert out["runs"][0]["outputs"][0] == tp_baseline
+    (line,) = [ln for ln in out["log"].splitlines() if "request_id=" in ln]
+    assert "hit_pool=3" in line and "loaded=3" in line and "failed=0" in line
+    assert out["log"].count("staged placement") == 2, "both workers use staging"
+    ranks = pool2.stats().ranks
+    assert [r.stats.get_keys for r in ranks] == [6, 6]

@@ -28,9 +28,11 @@ from pathlib import Path
 from types import TracebackType
 
 RAY = str(Path(sys.executable).with_name("ray"))
+RESULT = "KVRAY-RESULT "
+"""Marks a helper's answer on stdout (Ray may print other lines there)."""
 _NODES_PROBE = (
     "import json, ray; ray.init(); "
-    "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+    f"print({RESULT!r} + json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
 )
 
 
@@ -143,9 +145,10 @@ class TwoNodeCluster:
 
     def alive_nodes(self) -> list[str]:
         res = self.run_python("A", _NODES_PROBE, check=False, timeout=60)
-        if res.returncode != 0:
+        answers = [ln for ln in res.stdout.splitlines() if ln.startswith(RESULT)]
+        if res.returncode != 0 or not answers:
             return []
-        return list(json.loads(res.stdout.splitlines()[-1]))
+        return list(json.loads(answers[-1][len(RESULT) :]))
 
     def wait_nodes(self, n: int, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvray.testing.multinode import TwoNodeCluster, unavailable_reason
+from kvray.testing.multinode import RESULT, TwoNodeCluster, unavailable_reason
 
 HERE = Path(__file__).parent
 
@@ -26,8 +26,12 @@ class Cluster(TwoNodeCluster):
         )
 
     def json(self, node: str, *args: str) -> Any:
-        """The driver's JSON answer (its last line)."""
-        return json.loads(self.run(node, *args).stdout.splitlines()[-1])
+        """The driver's JSON answer (its line marked ``RESULT``; Ray may print other
+        lines to stdout around it)."""
+        out = self.run(node, *args).stdout
+        lines = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
+        assert lines, f"node_driver {args} printed no result:\n{out[-3000:]}"
+        return json.loads(lines[-1][len(RESULT) :])
 
 
 @pytest.fixture(scope="session")

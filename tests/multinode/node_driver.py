@@ -27,12 +27,13 @@ def main() -> int:
     import ray
 
     from kvray.ray_env import ray_init
+    from kvray.testing.multinode import RESULT
 
     cmd, args = sys.argv[1], sys.argv[2:]
     ray_init(os.environ["RAY_ADDRESS"], namespace="kvray")
     me = ray.get_runtime_context().get_node_id()
     if cmd == "nodes":
-        print(json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]))
+        print(RESULT + json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]))
         return 0
     from kvray import Pool
 
@@ -108,7 +109,8 @@ def main() -> int:
         out = {"down": args[0]}
     else:
         raise SystemExit(f"unknown command {cmd!r}")
-    print(json.dumps(out))
+    # Marked: Ray may print to stdout too (e.g. node-death notices after a node loss).
+    print(RESULT + json.dumps(out), flush=True)
     return 0
 
 

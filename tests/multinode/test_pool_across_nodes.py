@@ -95,4 +95,6 @@ def test_node_loss(two_nodes, replicas):
         assert two_nodes.json("B", "get", pool, "back-on-b", "7")["equal"]
         assert two_nodes.json("B", "get", pool, "on-a", "6")["equal"]
     finally:
+        if two_nodes.nodes["B"].raylet is None:  # failed while B was down: later tests need it
+            two_nodes.restart_node("B")
         two_nodes.run("A", "down", pool, check=False)

@@ -7,6 +7,10 @@ tests/multinode/test_tp_across_nodes.py."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
+
 import pytest
 
 from kvray.testing.vllm_ray_cpu import ENV
@@ -27,7 +31,18 @@ def test_ray_executor_loads_from_pool(pool, ray_cluster, tiny_model, tmp_path):
         "runs": [[prompt], [prompt]],
         "wait_saves_for": "e2e",
     }
-    out = run_engine(ray_cluster, tmp_path, "ray-executor", spec)
+    before = set(glob.glob("/dev/shm/psm_*"))
+    try:
+        out = run_engine(ray_cluster, tmp_path, "ray-executor", spec)
+    finally:
+        # vLLM's Ray executor kills its worker actors (ray.kill) at shutdown, so the
+        # shared-memory response queue each worker created is never unlinked: a
+        # 240 MiB psm_* segment per worker stays in /dev/shm. Not kvray's (run_engine
+        # already checked that no kvray region is left); removed so that the test
+        # leaves nothing behind.
+        for path in set(glob.glob("/dev/shm/psm_*")) - before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     first, second = (r["outputs"][0] for r in out["runs"])
     assert first == second
     assert "RayWorkerProc" in out["log"], out["log"][-3000:]  # vLLM's Ray worker actor

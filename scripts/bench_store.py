@@ -240,6 +240,7 @@ def xn_role(args: argparse.Namespace) -> int:
 
     from kvray import Pool
     from kvray.ray_env import ray_init
+    from kvray.testing.multinode import print_result
 
     blocks, block = args.blocks, args.block_kib << 10
     keys = [f"xn-{i}" for i in range(blocks)]
@@ -262,7 +263,7 @@ def xn_role(args: argparse.Namespace) -> int:
         src.reshape(-1)[:] = _xn_payload(blocks, block)
         pool.put(keys, list(src))
         node = ray.get_runtime_context().get_node_id()
-        print(json.dumps({"server": pool.server_address, "node": node}))
+        print_result({"server": pool.server_address, "node": node})
         pool.close()
         return 0
     # fetch: kvray and the raw client on this node, reps interleaved
@@ -302,13 +303,13 @@ def xn_role(args: argparse.Namespace) -> int:
     assert np.array_equal(raw_dst, payload), "raw cross-node get is not byte-exact"
     store.close()
     node = ray.get_runtime_context().get_node_id()
-    print(json.dumps({"reps_s": reps, "node": node}))
+    print_result({"reps_s": reps, "node": node})
     pool.close()
     return 0
 
 
 def cross_node(args: argparse.Namespace) -> int:
-    from kvray.testing.multinode import TwoNodeCluster, unavailable_reason
+    from kvray.testing.multinode import TwoNodeCluster, result_of, unavailable_reason
 
     why = unavailable_reason()
     if why:
@@ -324,15 +325,13 @@ def cross_node(args: argparse.Namespace) -> int:
         log("== starting two Ray nodes (private network, separate /dev/shm)")
         with TwoNodeCluster(Path(tmp)) as cluster:
             log("== node A: pool + blocks into A's segment")
-            stored = json.loads(
-                cluster.run_script(
-                    "A", __file__, "--xn-role", "store", *common, timeout=600
-                ).stdout.splitlines()[-1]
+            stored = result_of(
+                cluster.run_script("A", __file__, "--xn-role", "store", *common, timeout=600).stdout
             )
             log("== node B: kvray Pool.get vs raw Mooncake batch_get_into")
             res = cluster.run_script("B", __file__, "--xn-role", "fetch", *common, timeout=600)
             sys.stderr.write(res.stderr[-4000:])
-            fetched = json.loads(res.stdout.splitlines()[-1])
+            fetched = result_of(res.stdout)
             cluster.run_script("A", __file__, "--xn-role", "down", *common, timeout=120)
     assert stored["node"] != fetched["node"], "store and fetch ran on the same node"
     reps = fetched["reps_s"]

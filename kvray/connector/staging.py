@@ -18,7 +18,7 @@ staging is split into several (``Stager.capacity`` blocks at most each).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from kvray.connector.kv_geometry import (
     KVEntry,
     LayerGeometry,
+    PlaneGeometry,
     check_uniform,
     layer_geometry,
     planes_of,
@@ -122,11 +123,17 @@ class Stager:
         blocks of staging."""
         if not kv_caches:
             raise ConfigError("KVRayConnector: the engine has no KV cache layers")
-        self.layers: list[list[torch.Tensor]] = [planes_of(e) for e in kv_caches.values()]
+        layers = [planes_of(e) for e in kv_caches.values()]
         geometries = {n: layer_geometry(e, num_blocks, n) for n, e in kv_caches.items()}
         self.geometry: LayerGeometry = check_uniform(geometries)
-        self.num_layers = len(self.layers)
-        devices = {p.device for planes in self.layers for p in planes}
+        self.num_layers = len(layers)
+        self._segs: list[tuple[torch.Tensor, PlaneGeometry]] = [
+            (plane, g)
+            for planes in layers
+            for plane, g in zip(planes, self.geometry.planes, strict=True)
+        ]
+        """Segment (layer, plane) c = layer * planes + plane: its tensor and geometry."""
+        devices = {plane.device for plane, _ in self._segs}
         if len(devices) != 1:
             raise ConfigError(f"KVRayConnector: KV cache layers on several devices {devices}")
         self.ops = DeviceOps(devices.pop())
@@ -143,26 +150,19 @@ class Stager:
             )
         self.region = SharedRegion.create(prefix, self.capacity * self.block_bytes)
         self.pinned = self.ops.pin(self.region)
-        # Segment (layer, plane) column c = layer * planes + plane; its slot s is at
-        # seg_base[c] + s * seg_bytes[c].
-        seg_bytes = [p.nbytes for _ in range(self.num_layers) for p in self.geometry.planes]
-        self.seg_bytes = np.array(seg_bytes, dtype=np.int64)
+        # Slot s of segment c is at seg_base[c] + s * seg_bytes[c].
+        self.seg_bytes = np.array([g.nbytes for _, g in self._segs], dtype=np.int64)
         self.seg_base = np.concatenate([[0], np.cumsum(self.seg_bytes * self.capacity)[:-1]])
-        self._views: list[torch.Tensor] = []
         raw = torch.from_numpy(self.region.array)
-        for c, (planes, p) in enumerate(self._segments()):
-            g = self.geometry.planes[p]
-            lo = int(self.seg_base[c])
-            hi = lo + self.capacity * g.nbytes
-            self._views.append(raw[lo:hi].view(g.dtype).view(self.capacity, *g.block_shape))
-            del planes
+        self._views: list[torch.Tensor] = [
+            raw[lo : lo + self.capacity * g.nbytes]
+            .view(g.dtype)
+            .view(self.capacity, *g.block_shape)
+            for lo, (_, g) in zip(self.seg_base.tolist(), self._segs, strict=True)
+        ]
+        """Each segment's slots as ``(capacity, *block_shape)`` tensors over the region."""
         self._free = [(0, self.capacity)]
         """Free slot runs ``[lo, hi)``, sorted."""
-
-    def _segments(self) -> Iterator[tuple[list[torch.Tensor], int]]:
-        for planes in self.layers:
-            for p in range(len(planes)):
-                yield planes, p
 
     @property
     def columns(self) -> int:
@@ -223,10 +223,9 @@ class Stager:
         n = len(block_ids)
         idx = self._index(block_ids)
         with self.ops.after_compute():
-            for c, (planes, p) in enumerate(self._segments()):
-                plane = planes[p]
-                d = self.geometry.planes[p].block_dim
-                dst = self._views[c][first : first + n]
+            for (plane, g), view in zip(self._segs, self._views, strict=True):
+                d = g.block_dim
+                dst = view[first : first + n]
                 src = plane.index_select(d, idx)
                 if d:
                     src = src.movedim(d, 0)
@@ -244,10 +243,8 @@ class Stager:
         whole = list(rows) == list(range(len(rows)))
         src_rows = torch.tensor([first + r for r in rows], dtype=torch.long)
         with self.ops.after_compute():
-            for c, (planes, p) in enumerate(self._segments()):
-                plane = planes[p]
-                d = self.geometry.planes[p].block_dim
-                view = self._views[c]
+            for (plane, g), view in zip(self._segs, self._views, strict=True):
+                d = g.block_dim
                 # All rows: the (pinned) slots themselves; a subset (some blocks failed to
                 # load): a gathered host copy of the ones that loaded.
                 src = view[first : first + len(rows)] if whole else view.index_select(0, src_rows)

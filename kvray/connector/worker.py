@@ -262,9 +262,11 @@ class KVRayWorker:
         return [TransferBatch(self._region_spec, k, o, n) for k, o, n in parts]
 
     def _chunks(self, ops: list[BlockOp]) -> Iterator[list[BlockOp]]:
-        """``ops`` in runs that fit staging (an op may be cut; shared: one run)."""
+        """``ops`` in runs that fit staging (an op may be cut; shared: one run; none when
+        there are no ops)."""
         if self._stager is None:
-            yield ops
+            if ops:
+                yield ops
             return
         cap = self._stager.capacity
         chunk: list[BlockOp] = []
@@ -337,7 +339,7 @@ class KVRayWorker:
         meta = self._meta
         if meta is None:
             return
-        for chunk in self._chunks(meta.loads) if meta.loads else ():
+        for chunk in self._chunks(meta.loads):
             n = sum(len(op.block_ids) for op in chunk)
             first = None
             if self._stager is not None:
@@ -360,18 +362,17 @@ class KVRayWorker:
             if first is not None:
                 self._scatter(chunk, first, statuses)
             self._account_loads(chunk, statuses)
-        for chunk in self._chunks(meta.async_loads) if meta.async_loads else ():
+        for chunk in self._chunks(meta.async_loads):
+            n = sum(len(op.block_ids) for op in chunk)
             first = None
             if self._stager is not None:
-                first = self._reserve(sum(len(op.block_ids) for op in chunk))
+                first = self._reserve(n)
                 if first is None:
-                    n = sum(len(op.block_ids) for op in chunk)
                     self._account_loads(chunk, [KeyStatus.ERROR] * n)
                     self._loaded.update(op.req_id for op in chunk)
                     continue
-            batches = self._batches(chunk, first)
-            group = tuple(self._actor.get.remote(b) for b in batches)
-            self._async_loads[group] = (chunk, len(batches[0]), first)
+            group = tuple(self._actor.get.remote(b) for b in self._batches(chunk, first))
+            self._async_loads[group] = (chunk, n, first)
 
     def _scatter(self, ops: list[BlockOp], first: int, statuses: list[KeyStatus]) -> None:
         """Staged: the blocks that loaded, from their slots into the KV cache; frees the
@@ -458,12 +459,13 @@ class KVRayWorker:
         self._release_holds()
 
     def _release_holds(self) -> None:
+        """Free the staging slots of every hold whose calls have all ended."""
         if self._stager is None or not self._holds:
             return
-        for group in list(self._holds):
-            done, _ = ray.wait(list(group), num_returns=len(group), timeout=0) if group else ([], 0)
-            if len(done) == len(group):
-                self._stager.release(*self._holds.pop(group))
+        refs = [r for group in self._holds for r in group]
+        ended = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        for group in [g for g in self._holds if all(r in ended for r in g)]:
+            self._stager.release(*self._holds.pop(group))
 
     def _poll_async_loads(self) -> None:
         """Account (and, staged, scatter) every async load whose calls are all done."""

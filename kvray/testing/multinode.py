@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RESULT = "KVRAY-RESULT "
@@ -34,6 +35,19 @@ _NODES_PROBE = (
     "import json, ray; ray.init(); "
     f"print({RESULT!r} + json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
 )
+
+
+def print_result(answer: object) -> None:
+    """A helper process's JSON answer, marked so that :func:`result_of` finds it."""
+    print(RESULT + json.dumps(answer), flush=True)
+
+
+def result_of(stdout: str) -> Any:
+    """The answer a helper printed with :func:`print_result` (its last one)."""
+    answers = [ln for ln in stdout.splitlines() if ln.startswith(RESULT)]
+    if not answers:
+        raise HarnessError(f"the helper printed no answer:\n{stdout[-3000:]}")
+    return json.loads(answers[-1][len(RESULT) :])
 
 
 class HarnessError(RuntimeError):
@@ -145,10 +159,9 @@ class TwoNodeCluster:
 
     def alive_nodes(self) -> list[str]:
         res = self.run_python("A", _NODES_PROBE, check=False, timeout=60)
-        answers = [ln for ln in res.stdout.splitlines() if ln.startswith(RESULT)]
-        if res.returncode != 0 or not answers:
+        if res.returncode != 0 or RESULT not in res.stdout:
             return []
-        return list(json.loads(answers[-1][len(RESULT) :]))
+        return list(result_of(res.stdout))
 
     def wait_nodes(self, n: int, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s

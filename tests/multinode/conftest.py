@@ -3,7 +3,6 @@ that share no /dev/shm, with a driver helper for tests/multinode/node_driver.py.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import tempfile
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvray.testing.multinode import RESULT, TwoNodeCluster, unavailable_reason
+from kvray.testing.multinode import TwoNodeCluster, result_of, unavailable_reason
 
 HERE = Path(__file__).parent
 
@@ -28,10 +27,7 @@ class Cluster(TwoNodeCluster):
     def json(self, node: str, *args: str) -> Any:
         """The driver's JSON answer (its line marked ``RESULT``; Ray may print other
         lines to stdout around it)."""
-        out = self.run(node, *args).stdout
-        lines = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
-        assert lines, f"node_driver {args} printed no result:\n{out[-3000:]}"
-        return json.loads(lines[-1][len(RESULT) :])
+        return result_of(self.run(node, *args).stdout)
 
 
 @pytest.fixture(scope="session")

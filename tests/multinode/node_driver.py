@@ -12,7 +12,6 @@ joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSO
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 
@@ -27,13 +26,13 @@ def main() -> int:
     import ray
 
     from kvray.ray_env import ray_init
-    from kvray.testing.multinode import RESULT
+    from kvray.testing.multinode import print_result
 
     cmd, args = sys.argv[1], sys.argv[2:]
     ray_init(os.environ["RAY_ADDRESS"], namespace="kvray")
     me = ray.get_runtime_context().get_node_id()
     if cmd == "nodes":
-        print(RESULT + json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]))
+        print_result([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]])
         return 0
     from kvray import Pool
 
@@ -109,8 +108,7 @@ def main() -> int:
         out = {"down": args[0]}
     else:
         raise SystemExit(f"unknown command {cmd!r}")
-    # Marked: Ray may print to stdout too (e.g. node-death notices after a node loss).
-    print(RESULT + json.dumps(out), flush=True)
+    print_result(out)  # marked: Ray may print to stdout too (e.g. node-death notices)
     return 0
 
 

@@ -708,6 +708,18 @@ class ConnectorConfig(_Strict):
     """Staging region per worker (``staged``): bytes or ``"256MB"``. Default: room for
     two of the engine's largest steps (``max_num_batched_tokens`` worth of blocks each).
     A transfer larger than staging is split, never refused."""
+    use_layerwise: bool = False
+    """Layer-wise transfers (AscendStoreConnector's and UCM's key): a step's pool hits
+    load group by group of layers, each group waited for only before its first layer
+    runs (``wait_for_layer_load``), and a step's blocks are saved group by group as soon
+    as the group's last layer has run (``save_kv_layer``). Each block is then stored as
+    ``layerwise_groups`` keys per rank: engines share blocks only with engines using the
+    same setting."""
+    layerwise_groups: int = Field(4, ge=2, le=1024)
+    """With ``use_layerwise``: layer groups per rank (at most the layers each rank holds;
+    set it to the layer count for one group per layer). More groups overlap more of a
+    load with compute but multiply the keys a lookup asks for and the Ray calls per
+    step."""
 
     @field_validator("prefill_pp_layer_partition")
     @classmethod
@@ -730,6 +742,12 @@ class ConnectorConfig(_Strict):
                     f"prefill_pp_layer_partition has {n} stages but prefill_pp_size is "
                     f"{self.prefill_pp_size}: give one layer count per prefill PP stage"
                 )
+        if self.use_layerwise and self.prefill_pp_size > 1:
+            raise ValueError(
+                "use_layerwise cannot be combined with prefill_pp_size > 1 (blocks split by a "
+                "PP prefill's stages are already one key per stage): set use_layerwise to "
+                "false on this instance and its prefill"
+            )
         return self
 
     def layer_partition(self, num_layers: int) -> list[int]:

@@ -6,6 +6,10 @@ head size), the TP/head-group rank, the PP rank and the block hash::
     <namespace>@<layout>@tp<r>@pp<p>@<sha256 hex>
     Qwen/Qwen3-8B@bfloat16-b128-h8x128@tp0@pp0@9f86d08...
 
+With layer-wise transfers (``use_layerwise``) each block of each rank is ``G`` keys, one
+per group of its layers, ``...@pp<p>@lg<g>of<G>@<hash>``: the group count is in the key,
+so engines that split layers differently (or not at all) never read each other's bytes.
+
 Hashing is a pure function of its inputs and an explicit seed: it never depends on
 ``PYTHONHASHSEED`` or on the process. :func:`probe_hash` is what every rank computes at
 start so that kvray can refuse to run when two ranks would derive different keys.
@@ -36,7 +40,8 @@ _NAMESPACE_RE = re.compile(r"^[^\s@]{1,200}$")
 _LAYOUT_RE = re.compile(r"^[a-z0-9]+-b\d+-h\d+x\d+$")
 _KEY_RE = re.compile(
     r"^(?P<ns>[^\s@]{1,200})@(?P<layout>[a-z0-9]+-b\d+-h\d+x\d+)"
-    r"@tp(?P<tp>\d+)@pp(?P<pp>\d+)@(?P<hash>[0-9a-f]{2,128})$"
+    r"@tp(?P<tp>\d+)@pp(?P<pp>\d+)(?:@lg(?P<lg>\d+)of(?P<lgs>\d+))?"
+    r"@(?P<hash>[0-9a-f]{2,128})$"
 )
 
 
@@ -79,8 +84,17 @@ class BlockKey:
     tp_rank: int
     pp_rank: int
     block_hash: BlockHash
+    layer_group: int = 0
+    layer_groups: int = 1
+    """Layer-wise keys: this key holds layer group ``layer_group`` of ``layer_groups``
+    (1: the key holds all of the rank's layers)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.layer_group < self.layer_groups:
+            raise KeyFormatError(
+                f"BlockKey.layer_group must be in 0..layer_groups-1, got "
+                f"{self.layer_group} of {self.layer_groups}"
+            )
         if not _NAMESPACE_RE.match(self.namespace):
             raise KeyFormatError(
                 f"BlockKey.namespace must be 1-200 characters without '@' or whitespace, "
@@ -98,7 +112,8 @@ class BlockKey:
     def to_str(self) -> str:
         return (
             f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{self.tp_rank}{_SEP}"
-            f"pp{self.pp_rank}{_SEP}{self.block_hash.hex()}"
+            f"pp{self.pp_rank}{_SEP}{_group_part(self.layer_group, self.layer_groups)}"
+            f"{self.block_hash.hex()}"
         )
 
     @classmethod
@@ -112,6 +127,8 @@ class BlockKey:
             int(m.group("tp")),
             int(m.group("pp")),
             BlockHash(bytes.fromhex(m.group("hash"))),
+            int(m.group("lg") or 0),
+            int(m.group("lgs") or 1),
         )
 
     def __str__(self) -> str:
@@ -130,11 +147,14 @@ class KeySpace:
     layout: str
     tp_size: int = 1
     pp_size: int = 1
+    layer_groups: int = 1
+    """Keys per block and rank (layer-wise transfers: one per group of the rank's layers)."""
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.pp_size < 1:
+        if self.tp_size < 1 or self.pp_size < 1 or self.layer_groups < 1:
             raise KeyFormatError(
-                f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size}"
+                f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size} "
+                f"layer_groups={self.layer_groups}"
             )
         # Validate namespace and layout once, through a probe key.
         BlockKey(self.namespace, self.layout, 0, 0, BlockHash(b"\0"))
@@ -143,19 +163,54 @@ class KeySpace:
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
-    def key(self, block_hash: bytes, tp_rank: int = 0, pp_rank: int = 0) -> BlockKey:
+    @property
+    def columns(self) -> int:
+        """Keys per block of the instance: every rank's, every layer group's."""
+        return self.world_size * self.layer_groups
+
+    def key(
+        self, block_hash: bytes, tp_rank: int = 0, pp_rank: int = 0, layer_group: int = 0
+    ) -> BlockKey:
         if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
             raise KeyFormatError(
                 f"rank tp={tp_rank} pp={pp_rank} is outside "
                 f"tp_size={self.tp_size} pp_size={self.pp_size}"
             )
-        return BlockKey(self.namespace, self.layout, tp_rank, pp_rank, BlockHash(block_hash))
+        return BlockKey(
+            self.namespace,
+            self.layout,
+            tp_rank,
+            pp_rank,
+            BlockHash(block_hash),
+            layer_group,
+            self.layer_groups,
+        )
 
-    def rank_key_strs(self, hashes: Sequence[bytes], rank: int) -> list[str]:
-        """Key strings of ``hashes`` for one instance rank; the hot path of lookups."""
+    def rank_key_strs(self, hashes: Sequence[bytes], rank: int, group: int = 0) -> list[str]:
+        """Key strings of ``hashes`` for one instance rank (and layer group); the hot
+        path of lookups."""
+        if not 0 <= group < self.layer_groups:
+            raise KeyFormatError(f"layer group {group} is outside 0..{self.layer_groups - 1}")
         pp_rank, tp_rank = divmod(rank, self.tp_size)
-        prefix = f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}"
+        prefix = (
+            f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}"
+            f"{_group_part(group, self.layer_groups)}"
+        )
         return [prefix + h.hex() for h in hashes]
+
+    def lookup_key_strs(self, hashes: Sequence[bytes]) -> list[str]:
+        """Every key of ``hashes`` for the whole instance, column-major: column ``c``
+        (``columns`` of them) is rank ``c // layer_groups``, group ``c % layer_groups``."""
+        return [
+            k
+            for r in range(self.world_size)
+            for g in range(self.layer_groups)
+            for k in self.rank_key_strs(hashes, r, g)
+        ]
+
+
+def _group_part(group: int, groups: int) -> str:
+    return f"lg{group}of{groups}{_SEP}" if groups > 1 else ""
 
 
 def hash_block(

@@ -30,11 +30,12 @@ from kvray.stats import RankStats
 logger = logging.getLogger(__name__)
 
 
-def leading_hits(present: Sequence[bool], num_blocks: int, world_size: int) -> int:
-    """Leading blocks present in every rank; ``present`` is rank-major."""
+def leading_hits(present: Sequence[bool], num_blocks: int, columns: int) -> int:
+    """Leading blocks present in every column (rank, and layer group when layer-wise);
+    ``present`` is column-major."""
     if num_blocks == 0:
         return 0
-    everywhere = np.asarray(present, dtype=bool).reshape(world_size, num_blocks).all(axis=0)
+    everywhere = np.asarray(present, dtype=bool).reshape(columns, num_blocks).all(axis=0)
     return num_blocks if everywhere.all() else int(np.argmin(everywhere))
 
 
@@ -70,7 +71,7 @@ class LookupService:
         self.stats.lookup_blocks += len(hashes)
         if not hashes:
             return 0
-        keys = [k for r in range(space.world_size) for k in space.rank_key_strs(hashes, r)]
+        keys = space.lookup_key_strs(hashes)
         want = min(want, len(hashes))
         deadline = time.monotonic() + wait_s
         while True:
@@ -95,7 +96,9 @@ class LookupService:
         """(leading hits, how many of them only the SSD tier has); hits is -1 for a
         timed-out or failed ask (counted, logged once)."""
         try:
-            present, dram = await asyncio.wait_for(self._present(keys, n), timeout_s)
+            present, dram = await asyncio.wait_for(
+                self._present(keys, n, space.layer_groups), timeout_s
+            )
         except TimeoutError:
             self.stats.lookup_timeouts += 1
             self._warn_once(
@@ -106,18 +109,25 @@ class LookupService:
             self.stats.lookup_errors += 1
             self._warn_once("error", "lookup failed (%s): counted as a miss", exc)
             return -1, 0
-        hits = leading_hits(present, n, space.world_size)
+        hits = leading_hits(present, n, space.columns)
         if dram is None or not hits:
             return hits, 0
-        return hits, hits - min(leading_hits(dram, n, space.world_size), hits)
+        return hits, hits - min(leading_hits(dram, n, space.columns), hits)
 
-    async def _present(self, keys: list[str], n: int) -> tuple[list[bool], list[bool] | None]:
-        """Presence in any tier, and in DRAM alone (None when no lower tier was asked)."""
+    async def _present(
+        self, keys: list[str], n: int, groups: int = 1
+    ) -> tuple[list[bool], list[bool] | None]:
+        """Presence in any tier, and in DRAM alone (None when no lower tier was asked).
+        ``keys`` are ``n`` per column, ``groups`` columns per rank."""
         present = await self.backend.exists(keys)
         if self.lower is None or all(present):
             return present, None
-        ranks = len(keys) // n if n else 0
-        asks = {r: [i for i in range(r * n, (r + 1) * n) if not present[i]] for r in range(ranks)}
+        per_rank = n * groups
+        ranks = len(keys) // per_rank if n else 0
+        asks = {
+            r: [i for i in range(r * per_rank, (r + 1) * per_rank) if not present[i]]
+            for r in range(ranks)
+        }
         asks = {r: idx for r, idx in asks.items() if idx}
         answers = await asyncio.gather(
             *(self.lower(r, [keys[i] for i in idx]) for r, idx in asks.items())

@@ -93,7 +93,8 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     # by the prefill stage that owns them, so each prefill stage finds its part.
     split = parallel.pipeline_parallel_size == 1 and cfg.prefill_pp_size > 1
     pp_size = cfg.prefill_pp_size if split else parallel.pipeline_parallel_size
-    space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size)
+    layer_groups = cfg.layerwise_groups if cfg.use_layerwise else 1
+    space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size, layer_groups)
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
     # kv_load_failure_policy is not ours to read: vLLM's scheduler applies the top-level

@@ -96,7 +96,9 @@ class KVRayConnector(KVConnectorBase_V1):
         self.worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv, before the forward
+        # Layer-wise: waits for (and, staged, scatters) the layer's group; otherwise loads
+        # completed in start_load_kv.
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -105,7 +107,9 @@ class KVRayConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return None  # whole blocks of all layers are saved in wait_for_save
+        # Layer-wise: sends a layer group's saves once its last layer ran; otherwise whole
+        # blocks of all layers are saved in wait_for_save.
+        self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()

@@ -84,14 +84,21 @@ class DeviceOps:
         if self.kind == "cuda":
             torch.cuda.cudart().cudaHostUnregister(region.base_ptr)  # type: ignore[no-untyped-call]
 
-    def after_compute(self) -> AbstractContextManager[Any]:
-        """Run the enclosed copies on the side stream, after everything queued so far on
-        the compute stream (the forward that wrote the blocks)."""
+    def compute_mark(self) -> Any:
+        """An event marking what is queued on the compute stream now (None on CPU)."""
         if self._mod is None:
-            return nullcontext()
+            return None
         ev = self._mod.Event()
         ev.record(self._mod.current_stream(self.device))
-        self._side.wait_event(ev)
+        return ev
+
+    def after_compute(self, mark: Any = None) -> AbstractContextManager[Any]:
+        """Run the enclosed copies on the side stream, after what was queued on the
+        compute stream at ``mark`` (default: everything queued so far, e.g. the forward
+        that wrote the blocks)."""
+        if self._mod is None:
+            return nullcontext()
+        self._side.wait_event(mark if mark is not None else self.compute_mark())
         return self._mod.stream(self._side)  # type: ignore[no-any-return]
 
     def side_done(self) -> Any:
@@ -217,13 +224,26 @@ class Stager:
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.ops.device)
 
-    def gather(self, block_ids: Sequence[int], first: int) -> None:
-        """Copy blocks ``block_ids`` (of every layer) into slots ``first..``, after the
-        compute queued so far; returns once staging holds them."""
+    def _columns(self, cols: tuple[int, int] | None) -> range:
+        return range(*(cols or (0, self.columns)))
+
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        first: int,
+        cols: tuple[int, int] | None = None,
+        *,
+        wait: bool = True,
+    ) -> Any:
+        """Copy blocks ``block_ids`` (of every layer, or of segments ``cols``
+        ``[lo, hi)``) into slots ``first..``, after the compute queued so far. With
+        ``wait`` returns once staging holds them; else returns the event that marks it
+        (None: already done, as on CPU)."""
         n = len(block_ids)
         idx = self._index(block_ids)
         with self.ops.after_compute():
-            for (plane, g), view in zip(self._segs, self._views, strict=True):
+            for c in self._columns(cols):
+                (plane, g), view = self._segs[c], self._views[c]
                 d = g.block_dim
                 dst = view[first : first + n]
                 src = plane.index_select(d, idx)
@@ -231,19 +251,33 @@ class Stager:
                     src = src.movedim(d, 0)
                 dst.copy_(src, non_blocking=not self.ops.synchronous)
         done = self.ops.side_done()
-        if done is not None:
+        if done is not None and wait:
             done.synchronize()  # the Ray call that follows reads staging
+            return None
+        return done
 
-    def scatter(self, block_ids: Sequence[int], first: int, rows: Sequence[int]) -> None:
+    def scatter(
+        self,
+        block_ids: Sequence[int],
+        first: int,
+        rows: Sequence[int],
+        cols: tuple[int, int] | None = None,
+        *,
+        after: Any = None,
+        wait: bool = True,
+    ) -> Any:
         """Copy staging slots ``first + rows[i]`` into blocks ``block_ids[i]`` of every
-        layer; the compute stream waits for it. Returns once staging may be reused."""
+        layer (or of segments ``cols``), after the compute queued at ``after`` (default:
+        now); the compute stream waits for it. With ``wait`` returns once staging may be
+        reused; else returns the event that marks it (None on CPU)."""
         if not block_ids:
-            return
+            return None
         idx = self._index(block_ids)
         whole = list(rows) == list(range(len(rows)))
         src_rows = torch.tensor([first + r for r in rows], dtype=torch.long)
-        with self.ops.after_compute():
-            for (plane, g), view in zip(self._segs, self._views, strict=True):
+        with self.ops.after_compute(after):
+            for c in self._columns(cols):
+                (plane, g), view = self._segs[c], self._views[c]
                 d = g.block_dim
                 # All rows: the (pinned) slots themselves; a subset (some blocks failed to
                 # load): a gathered host copy of the ones that loaded.
@@ -255,8 +289,10 @@ class Stager:
                 plane.index_copy_(d, idx, src)
         done = self.ops.side_done()
         self.ops.compute_waits_for(done)
-        if done is not None:
+        if done is not None and wait:
             done.synchronize()  # staging slots are free once the host-to-device copy ran
+            return None
+        return done
 
     def close(self) -> None:
         if self.pinned:

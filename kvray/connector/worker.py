@@ -9,7 +9,16 @@ lives anywhere (GPU, NPU, CPU); blocks go through a staging region
 it, in transfers of at most the staging region's size.
 
 When ``wait_for_save`` runs the step's KV is written (CPU forwards are synchronous; on a
-device the gather waits for the forward's event). Shared saves read the cache itself, so
+device the gather waits for the forward's event).
+
+Layer-wise (``use_layerwise``): each block is one key per group of layers. A step's sync
+loads are sent at ``start_load_kv`` as one Ray call per group, and the forward waits for
+group ``g`` only in ``wait_for_layer_load`` of its first layer (staged: then scatters that
+group), so later groups arrive while earlier layers compute. A step's saves are sent
+group by group from ``save_kv_layer`` once the group's last layer ran (staged: once its
+gather, queued on the side stream after that layer, completed). A group the forward did
+not wait for (an engine that skips the per-layer hooks) is reported as failed, never
+used. Shared saves read the cache itself, so
 a finished request's free is delayed until its saves completed (``request_finished``
 returns True and ``get_finished`` reports it) and a preempted request's in-flight saves
 are drained in ``handle_preemptions`` before its blocks can be reused.
@@ -21,7 +30,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +40,7 @@ from kvray.backends.base import KeyStatus
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.kv_geometry import check_uniform, geometry_tag, layer_geometry
 from kvray.connector.metadata import BlockOp, KVRayMetadata
-from kvray.connector.pp import split_by_stage, stage_ranges
+from kvray.connector.pp import Part, group_parts, split_columns, stage_parts
 from kvray.connector.shm_kv import SharedKVAllocator
 from kvray.connector.staging import Stager
 from kvray.connector.stats import KVRayConnectorStats
@@ -56,6 +65,40 @@ def check_geometry_claim(keys: str, mine: str, claimed: str) -> None:
             "backend or platform): its loads would be wrong bytes. Give this engine its own "
             "model_namespace in kv_connector_extra_config"
         )
+
+
+@dataclass
+class _LayerwiseLoad:
+    """A step's sync loads in flight, one Ray call per layer group."""
+
+    ops: list[BlockOp]
+    n: int
+    first: int | None
+    refs: list[Any]
+    statuses: list[list[KeyStatus]] = field(default_factory=list)
+    """Of the groups done so far, in order."""
+    on_time: bool = False
+    """Every group was waited for by the forward (``wait_for_layer_load``)."""
+    failed_call: bool = False
+    """Some group's call failed or timed out (it may still write staging)."""
+    scattered: Any = None
+    """Event of the last scatter (device), to wait for before freeing staging."""
+
+
+@dataclass
+class _LayerwiseSave:
+    """A step's saves, sent group by group as the forward completes their layers."""
+
+    ops: list[BlockOp]
+    n: int
+    first: int | None
+    batches: list[TransferBatch]
+    seen: list[set[str]]
+    """Layers of each group that ran."""
+    gathered: dict[int, Any] = field(default_factory=dict)
+    """Group -> gather event (staged on a device) of groups gathered, not yet sent."""
+    refs: dict[int, Any] = field(default_factory=dict)
+    """Group -> its put's ref."""
 
 
 def _rank() -> tuple[int, int, int]:
@@ -105,8 +148,15 @@ class KVRayWorker:
         self._loaded: set[str] = set()
         """Requests whose async loads (some of them) are done, to report once all are."""
         self._tp_rank = 0
-        self._stages: list[tuple[int, int]] = []
-        """Layer ranges per prefill PP stage when blocks are split (else empty)."""
+        self._parts: list[Part] = []
+        """Keys per block when a block is several keys (prefill PP stages or layer-wise
+        groups), each with its columns; empty: one key of all columns."""
+        self._group_of: dict[str, int] = {}
+        """Layer-wise: layer name -> its group."""
+        self._group_len: list[int] = []
+        self._lw_load: _LayerwiseLoad | None = None
+        self._lw_save: _LayerwiseSave | None = None
+        self._warned_late = False
         self._load_errors: set[int] = set()
         self.stats = KVRayConnectorStats()
 
@@ -159,11 +209,7 @@ class KVRayWorker:
             self._register_staged(kv_caches)
             placement = "staged"
         self._claim_geometry(kv_caches)
-        if self.info.split_stages:
-            parts = self.info.config.layer_partition(self._num_layers)  # checks the sum
-            planes = self._stager.planes_per_layer if self._stager else 1
-            self._stages = [(lo * planes, hi * planes) for lo, hi in stage_ranges(parts)]
-            logger.info("KVRayConnector: blocks split by prefill PP partition %s", parts)
+        self._split_blocks(list(kv_caches))
         logger.info(
             "KVRayConnector worker rank %d: %d layers, %d bytes per block, %s placement, region %s",
             self.rank,
@@ -172,6 +218,40 @@ class KVRayWorker:
             placement,
             self._region_spec.region_id,
         )
+
+    def _split_blocks(self, layer_names: list[str]) -> None:
+        """Blocks of several keys: by the prefill's PP stages, or by layer groups."""
+        space = self.info.space
+        planes = self._stager.planes_per_layer if self._stager else 1
+        if self.info.split_stages:
+            partition = self.info.config.layer_partition(self._num_layers)  # checks the sum
+            self._parts = stage_parts(space, self._tp_rank, partition, planes)
+            logger.info("KVRayConnector: blocks split by prefill PP partition %s", partition)
+            return
+        groups = space.layer_groups
+        if groups == 1:
+            return
+        if groups > self._num_layers:
+            raise ConfigError(
+                f"layerwise_groups is {groups} but this worker holds {self._num_layers} KV "
+                f"cache layers: set layerwise_groups to {self._num_layers} or less"
+            )
+        self._parts = group_parts(self.rank, self._num_layers, groups, planes)
+        self._group_len = [(p.hi - p.lo) // planes for p in self._parts]
+        bounds = [p.lo // planes for p in self._parts]
+        self._group_of = {
+            name: next(g for g in reversed(range(groups)) if bounds[g] <= i)
+            for i, name in enumerate(layer_names)
+        }
+        logger.info(
+            "KVRayConnector: layer-wise transfers, %d layer groups of %s layers",
+            groups,
+            self._group_len,
+        )
+
+    @property
+    def _layerwise(self) -> bool:
+        return bool(self._group_of)
 
     def _claim_geometry(self, kv_caches: Mapping[str, KVEntry]) -> None:
         """The key's layout tag names dtype, block size and head split, not the order of
@@ -242,8 +322,9 @@ class KVRayWorker:
         )
 
     def _batches(self, ops: list[BlockOp], first_slot: int | None = None) -> list[TransferBatch]:
-        """One batch, or one per prefill PP stage when blocks are split. Shared: the
-        blocks' places in the KV cache; staged: staging slots ``first_slot..``."""
+        """One batch, or one per part when a block is several keys (PP stages, layer
+        groups). Shared: the blocks' places in the KV cache; staged: staging slots
+        ``first_slot..``."""
         hashes = [h for op in ops for h in op.block_hashes]
         if first_slot is None:
             assert self._layer_offsets is not None, "KVRayWorker used before register_kv_caches"
@@ -253,13 +334,11 @@ class KVRayWorker:
         else:
             assert self._stager is not None
             offsets, lengths = self._stager.offsets(first_slot, len(hashes))
-        if not self._stages:
+        if not self._parts:
             keys = tuple(self.info.space.rank_key_strs(hashes, self.rank))
             return [TransferBatch(self._region_spec, keys, offsets, lengths)]
-        parts = split_by_stage(
-            self.info.space, self._tp_rank, hashes, offsets, lengths, self._stages
-        )
-        return [TransferBatch(self._region_spec, k, o, n) for k, o, n in parts]
+        split = split_columns(self.info.space, hashes, offsets, lengths, self._parts)
+        return [TransferBatch(self._region_spec, k, o, n) for k, o, n in split]
 
     def _chunks(self, ops: list[BlockOp]) -> Iterator[list[BlockOp]]:
         """``ops`` in runs that fit staging (an op may be cut; shared: one run; none when
@@ -336,10 +415,15 @@ class KVRayWorker:
             self._reap_saves(block=False)
 
     def start_load_kv(self) -> None:
+        self._finish_layerwise_load()  # a step whose forward never reached wait_for_save
         meta = self._meta
         if meta is None:
             return
-        for chunk in self._chunks(meta.loads):
+        sync_loads = meta.loads
+        if self._layerwise and sync_loads and self._fits(sync_loads):
+            self._start_layerwise_load(sync_loads)
+            sync_loads = []
+        for chunk in self._chunks(sync_loads):
             n = sum(len(op.block_ids) for op in chunk)
             first = None
             if self._stager is not None:
@@ -374,6 +458,194 @@ class KVRayWorker:
             group = tuple(self._actor.get.remote(b) for b in self._batches(chunk, first))
             self._async_loads[group] = (chunk, n, first)
 
+    def _fits(self, ops: list[BlockOp]) -> bool:
+        """The blocks fit one staged transfer (always, shared). Layer-wise overlap needs
+        that; a step larger than staging goes whole, in chunks, after the forward's
+        start (correct, not overlapped)."""
+        n = sum(len(op.block_ids) for op in ops)
+        return self._stager is None or n <= self._stager.capacity
+
+    # ---- layer-wise ----------------------------------------------------------------------
+
+    def _start_layerwise_load(self, ops: list[BlockOp]) -> None:
+        n = sum(len(op.block_ids) for op in ops)
+        first = None
+        if self._stager is not None:
+            first = self._reserve(n)
+            if first is None:
+                self._account_loads(ops, [KeyStatus.ERROR] * n)
+                return
+        refs = [self._actor.get.remote(b) for b in self._batches(ops, first)]
+        load = _LayerwiseLoad(ops, n, first, refs)
+        if self._stager is not None:
+            # Scatters wait only for what was queued before this step, not for the layers
+            # before them: the blocks they fill are not read earlier in the forward.
+            load.scattered = self._stager.ops.compute_mark()
+        self._lw_load = load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        load = self._lw_load
+        g = self._group_of.get(layer_name)
+        if load is None or g is None:
+            return
+        while len(load.statuses) <= g:
+            self._finish_load_group(load)
+        if len(load.statuses) == len(self._parts):
+            load.on_time = True
+
+    def _finish_load_group(self, load: _LayerwiseLoad, *, scatter: bool = True) -> None:
+        """Wait for the next group's call; staged: scatter the blocks it loaded into
+        that group's layers (queued on the side stream, the compute stream waits)."""
+        g = len(load.statuses)
+        try:
+            statuses = ray.get(load.refs[g], timeout=self._call_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            logger.warning(
+                "rank %d: load of layer group %d (%d blocks) failed: %s", self.rank, g, load.n, exc
+            )
+            statuses = [KeyStatus.ERROR] * load.n
+            load.failed_call = True
+        load.statuses.append(statuses)
+        if scatter and load.first is not None and not load.failed_call:
+            assert self._stager is not None
+            block_ids = [b for op in load.ops for b in op.block_ids]
+            rows = [i for i, st in enumerate(statuses) if st is KeyStatus.OK]
+            part = self._parts[g]
+            if rows:
+                done = self._stager.scatter(
+                    [block_ids[i] for i in rows],
+                    load.first,
+                    rows,
+                    (part.lo, part.hi),
+                    after=load.scattered,
+                    wait=False,
+                )
+                load.scattered = done if done is not None else load.scattered
+
+    def _finish_layerwise_load(self) -> None:
+        """After the forward: account the step's layer-wise loads and free their staging.
+        Groups the forward did not wait for are waited for here and reported failed."""
+        load = self._lw_load
+        if load is None:
+            return
+        self._lw_load = None
+        while len(load.statuses) < len(self._parts):
+            self._finish_load_group(load, scatter=False)
+        statuses = self._all_ok(load.statuses)
+        if not load.on_time:
+            # The forward ran before these groups arrived: their blocks were not in the
+            # cache when it read them. Reported failed (vLLM recomputes), never used.
+            statuses = [KeyStatus.ERROR] * load.n
+            if not self._warned_late:
+                self._warned_late = True
+                logger.warning(
+                    "rank %d: the engine ran a forward without calling wait_for_layer_load "
+                    "for every layer (full CUDA graphs or a model without vLLM's attention "
+                    "hooks): the step's pool hits were recomputed; set use_layerwise to "
+                    "false for this engine",
+                    self.rank,
+                )
+        if load.first is not None:
+            assert self._stager is not None
+            if load.scattered is not None:
+                load.scattered.synchronize()  # queued copies read the slots
+            if load.failed_call:
+                # A call that failed may still write these slots: held until it ended.
+                self._holds[tuple(load.refs)] = (load.first, load.n)
+            else:
+                self._stager.release(load.first, load.n)
+        self._account_loads(load.ops, statuses)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        g = self._group_of.get(layer_name)
+        meta = self._meta
+        if g is None or meta is None or not meta.saves:
+            return
+        save = self._lw_save
+        if save is None:
+            if not self._fits(meta.saves):
+                return  # wait_for_save sends the step whole, in chunks
+            save = self._start_layerwise_save(meta.saves)
+            if save is None:
+                return
+        save.seen[g].add(layer_name)
+        if len(save.seen[g]) == self._group_len[g] and g not in save.refs:
+            self._gather_group(save, g)
+        self._send_gathered(save, block=False)
+
+    def _start_layerwise_save(self, ops: list[BlockOp]) -> _LayerwiseSave | None:
+        n = sum(len(op.block_ids) for op in ops)
+        first = None
+        if self._stager is not None:
+            first = self._reserve(n)
+            if first is None:
+                self.stats.add("save_failed_blocks", n)
+                # The step's saves failed: neither later layers nor wait_for_save retry.
+                self._meta = replace(self._meta, saves=[]) if self._meta else None
+                return None
+        batches = self._batches(ops, first)
+        self._lw_save = _LayerwiseSave(ops, n, first, batches, [set() for _ in self._parts])
+        return self._lw_save
+
+    def _gather_group(self, save: _LayerwiseSave, g: int) -> None:
+        """Queue the copy of group ``g``'s layers into staging (after the compute queued
+        so far: its layers); shared placement: nothing to copy."""
+        if save.first is None:
+            save.gathered[g] = None
+            return
+        assert self._stager is not None
+        part = self._parts[g]
+        block_ids = [b for op in save.ops for b in op.block_ids]
+        save.gathered[g] = self._stager.gather(
+            block_ids, save.first, (part.lo, part.hi), wait=False
+        )
+
+    def _send_gathered(self, save: _LayerwiseSave, *, block: bool) -> None:
+        """Send the put of every gathered group whose copy completed (``block``: all)."""
+        for g, ev in sorted(save.gathered.items()):
+            if ev is not None and not block and not ev.query():
+                continue
+            if ev is not None:
+                ev.synchronize()
+            del save.gathered[g]
+            self._send_save(save.ops, save.batches[g], counts_blocks=g == 0, ref_of=save.refs, g=g)
+
+    def _send_save(
+        self,
+        ops: list[BlockOp],
+        batch: TransferBatch,
+        *,
+        counts_blocks: bool,
+        ref_of: dict[int, Any] | None = None,
+        g: int = 0,
+    ) -> Any:
+        rids = [op.req_id for op in ops]
+        ref = self._actor.put.remote(batch)
+        # Blocks are counted once (part 0); bytes by each part's columns.
+        row = int(batch.lengths[0].sum()) if len(batch) else 0
+        self._save_refs[ref] = (rids, len(batch), counts_blocks, row)
+        for rid in rids:
+            self._saves_of[rid].add(ref)
+        if ref_of is not None:
+            ref_of[g] = ref
+        return ref
+
+    def _end_layerwise_save(self) -> None:
+        """End of the forward: gather and send what the per-layer hooks did not, then
+        hold staging until every put ended."""
+        save = self._lw_save
+        if save is None:
+            return
+        self._lw_save = None
+        for g in range(len(self._parts)):
+            if g not in save.refs and g not in save.gathered:
+                self._gather_group(save, g)
+        self._send_gathered(save, block=True)
+        if save.first is not None:
+            self._holds[tuple(save.refs.values())] = (save.first, save.n)
+
+    # ---- whole steps ---------------------------------------------------------------------
+
     def _scatter(self, ops: list[BlockOp], first: int, statuses: list[KeyStatus]) -> None:
         """Staged: the blocks that loaded, from their slots into the KV cache; frees the
         slots. A block that failed is left alone (vLLM recomputes it)."""
@@ -401,11 +673,14 @@ class KVRayWorker:
             )
 
     def wait_for_save(self) -> None:
+        self._finish_layerwise_load()
+        if self._lw_save is not None:
+            self._end_layerwise_save()
+            return
         meta = self._meta
         if meta is None or not meta.saves:
             return
         for chunk in self._chunks(meta.saves):
-            rids = [op.req_id for op in chunk]
             first = None
             if self._stager is not None:
                 block_ids = [b for op in chunk for b in op.block_ids]
@@ -418,15 +693,10 @@ class KVRayWorker:
                 except BaseException:
                     self._stager.release(first, len(block_ids))
                     raise
-            refs = []
-            for stage, batch in enumerate(self._batches(chunk, first)):
-                ref = self._actor.put.remote(batch)
-                refs.append(ref)
-                # Blocks are counted once (stage 0); bytes by each stage's columns.
-                row = int(batch.lengths[0].sum()) if len(batch) else 0
-                self._save_refs[ref] = (rids, len(batch), stage == 0, row)
-                for rid in rids:
-                    self._saves_of[rid].add(ref)
+            refs = [
+                self._send_save(chunk, batch, counts_blocks=part == 0)
+                for part, batch in enumerate(self._batches(chunk, first))
+            ]
             if first is not None:
                 self._holds[tuple(refs)] = (first, len(block_ids))
 
@@ -486,6 +756,8 @@ class KVRayWorker:
             self._loaded.update(op.req_id for op in ops)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_layerwise_load()
+        self._end_layerwise_save()
         self._reap_saves(block=False)
         sending = {rid for rid in self._finishing if rid not in self._saves_of}
         self._finishing -= sending
@@ -502,6 +774,8 @@ class KVRayWorker:
         return errors
 
     def shutdown(self) -> None:
+        self._finish_layerwise_load()
+        self._end_layerwise_save()
         self._reap_saves(block=True)
         if self._allocator is not None:
             self._allocator.close()

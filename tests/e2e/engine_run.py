@@ -9,7 +9,7 @@ SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
        "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
        "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name",
-       "record_hashes": false, "hang": false}
+       "record_hashes": false, "skip_layer_hooks": false, "hang": false}
 
 ``hang``: after writing OUT.json, print ``engine-run: hanging`` and sleep, so a test can
 kill the engine (SIGKILL) while everything it set up is still in place.
@@ -17,6 +17,8 @@ kill the engine (SIGKILL) while everything it set up is still in place.
 ``inject_drop`` is fault injection for the load-failure tests: right after a lookup hit
 is allocated, the hit blocks are removed from the pool (the connector's, or the named one
 for a whole ``kv_transfer_config``), so the load that follows fails.
+``skip_layer_hooks``: the connector's ``wait_for_layer_load`` is never called (an engine
+without per-layer hooks), for the layer-wise safety test.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _inject_drop_after_lookup(pool_name: str, namespace: str) -> None:
             st = self._reqs[request.request_id]
             first, last = st.local_blocks, st.local_blocks + st.pool_blocks
             hashes = [sched_mod.hash_bytes(h) for h in request.block_hashes[first:last]]
-            keys = self.info.space.rank_key_strs(hashes, 0)
+            keys = self.info.space.lookup_key_strs(hashes)
             pool.remove(keys, force=True)
         return original(self, request, blocks, num_external_tokens)
 
@@ -60,6 +62,14 @@ def _record_block_hashes(into: list[list[str]]) -> None:
         return original(self, request, block_ids)
 
     sched_mod.KVRayScheduler.request_finished = record
+
+
+def _skip_layer_hooks() -> None:
+    """An engine that never calls wait_for_layer_load (as under full CUDA graphs): the
+    layer-wise connector must report the step's loads failed, never use late bytes."""
+    from kvray.connector.connector import KVRayConnector
+
+    KVRayConnector.wait_for_layer_load = lambda self, layer_name: None  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -82,6 +92,8 @@ def main() -> int:
     hashes: list[list[str]] = []
     if spec.get("record_hashes"):
         _record_block_hashes(hashes)
+    if spec.get("skip_layer_hooks"):
+        _skip_layer_hooks()
     inject = spec.get("inject_drop")
     if isinstance(inject, str):
         _inject_drop_after_lookup(inject, "kvray")

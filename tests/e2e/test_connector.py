@@ -188,3 +188,58 @@ def test_staged_loads_what_shared_stored(pool, ray_cluster, tiny_model, baseline
     assert out["runs"][0]["outputs"][0] == baseline["P1"]
     (line,) = request_lines(out["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0)
+
+
+def _layerwise_keys(placement: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
+    from kvray.keys import KeySpace, KVLayout
+
+    layout = KVLayout("float32", 128, 4, 64).tag()  # the tiny Llama on vLLM's CPU backend
+    space = KeySpace(f"tiny-lw-{placement}", layout, layer_groups=groups)
+    return space.lookup_key_strs([bytes.fromhex(h) for h in hashes])
+
+
+def test_layerwise_save_then_load(pool, ray_cluster, tiny_model, baseline, tmp_path, placement):
+    """use_layerwise: each block is one key per layer group; the second run loads them
+    group by group (waited for in wait_for_layer_load: had the forward not waited, the
+    blocks would be reported failed, not loaded) and generates the baseline tokens. An
+    engine without use_layerwise shares none of these keys."""
+    lw = {"use_layerwise": True, "layerwise_groups": 2, "load_async": False}
+    ns = {"kv_placement": placement, "model_namespace": f"tiny-lw-{placement}"}
+    out = run_engine(ray_cluster, tmp_path, "layerwise", {
+        "model": tiny_model, "connector": _connector(**ns, **lw), "runs": [[P1], [P1]],
+        "wait_saves_for": "e2e", "record_hashes": True,
+    })  # fmt: skip
+    assert [r["outputs"][0] for r in out["runs"]] == [baseline["P1"]] * 2
+    first, second = request_lines(out["log"])
+    assert (first["hit_pool"], first["saved"]) == (0, 4)
+    assert (second["hit_pool"], second["loaded"], second["failed"]) == (4, 4, 0)
+    assert "layer-wise transfers, 2 layer groups of [1, 1] layers" in out["log"]
+    hashes = out["block_hashes"][0][:4]
+    assert all(pool.exists(_layerwise_keys(placement, hashes, 2)))
+    assert not any(pool.exists(_layerwise_keys(placement, hashes, 1)))
+    if placement == "shared":
+        return
+    plain = run_engine(ray_cluster, tmp_path, "not-layerwise", {
+        "model": tiny_model, "connector": _connector(**ns, load_async=False), "runs": [[P1]],
+    })  # fmt: skip
+    assert plain["runs"][0]["outputs"][0] == baseline["P1"]
+    (line,) = request_lines(plain["log"])
+    assert line["hit_pool"] == 0
+
+
+def test_layerwise_without_layer_hooks_recomputes(
+    pool, ray_cluster, tiny_model, baseline, tmp_path, placement
+):
+    """An engine that never calls wait_for_layer_load: the loaded bytes arrive after the
+    forward read the cache, so the step's hits are reported failed and recomputed (same
+    tokens), never used."""
+    lw = {"use_layerwise": True, "layerwise_groups": 2, "load_async": False}
+    ns = {"kv_placement": placement, "model_namespace": f"tiny-lw-{placement}"}
+    out = run_engine(ray_cluster, tmp_path, "no-hooks", {
+        "model": tiny_model, "connector": {**_connector(**ns, **lw), "policy": "recompute"},
+        "runs": [[P1], [P1]], "skip_layer_hooks": True, "wait_saves_for": "e2e",
+    })  # fmt: skip
+    assert [r["outputs"][0] for r in out["runs"]] == [baseline["P1"]] * 2
+    line = request_lines(out["log"])[-1]  # the first run stored P1 if it was not there
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 0, 4)
+    assert "without calling wait_for_layer_load" in out["log"]

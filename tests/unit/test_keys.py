@@ -92,3 +92,21 @@ def test_keyspace_rank_keys_match_block_keys():
         assert space.rank_key_strs(hashes, rank) == [space.key(h, tp, pp).to_str() for h in hashes]
     with pytest.raises(KeyFormatError, match="outside"):
         space.key(hashes[0], 2, 0)
+
+
+def test_layer_group_keys():
+    space = KeySpace("m", LAYOUT, tp_size=2, pp_size=1, layer_groups=3)
+    hashes = chain_block_hashes(list(range(64)), 16)
+    for rank in range(2):
+        for g in range(3):
+            strs = space.rank_key_strs(hashes, rank, g)
+            assert strs == [space.key(h, rank, 0, g).to_str() for h in hashes]
+            assert all(BlockKey.from_str(s) == space.key(h, rank, 0, g) for s, h in zip(strs, hashes))
+            assert all(f"@tp{rank}@pp0@lg{g}of3@" in s for s in strs)
+    assert len(set(space.lookup_key_strs(hashes))) == space.columns * len(hashes) == 6 * 4
+    with pytest.raises(KeyFormatError, match="layer group 3 is outside 0..2"):
+        space.rank_key_strs(hashes, 0, 3)
+    with pytest.raises(KeyFormatError, match="layer_group must be in"):
+        BlockKey("m", LAYOUT, 0, 0, hashes[0], layer_group=1, layer_groups=1)
+    # One group: the plain key, unchanged.
+    assert "@lg" not in KeySpace("m", LAYOUT).rank_key_strs(hashes, 0)[0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvray.config import ConnectorConfig
-from kvray.connector.pp import split_by_stage, stage_ranges
+from kvray.connector.pp import group_parts, split_columns, stage_parts, stage_ranges
 from kvray.errors import ConfigError
 from kvray.keys import BlockKey, KeySpace, KVLayout, chain_block_hashes
 
@@ -66,7 +66,7 @@ def test_two_stage_partition_keys_round_trip(tp_rank):
     decode = region(LAYERS, seed=tp_rank)
     stages = stage_ranges([2, 3])
     offsets, lengths = table(decode, [3, 1, 0, 2])
-    parts = split_by_stage(space, tp_rank, hashes, offsets, lengths, stages)
+    parts = split_columns(space, hashes, offsets, lengths, stage_parts(space, tp_rank, [2, 3]))
     assert [p[1].shape for p in parts] == [(BLOCKS, 2), (BLOCKS, 3)]
     pool: dict[str, bytes] = {}
     for stage, (keys, offs, lens) in enumerate(parts):
@@ -89,5 +89,37 @@ def test_two_stage_partition_keys_round_trip(tp_rank):
 def test_partition_must_cover_every_layer():
     space = KeySpace("m", KVLayout("float16", 16, 2, 64).tag(), tp_size=1, pp_size=2)
     offsets, lengths = table(region(LAYERS, seed=0), [0])
-    with pytest.raises(ValueError, match="5 layers but the prefill partition covers 4"):
-        split_by_stage(space, 0, [b"x" * 32], offsets, lengths, stage_ranges([2, 2]))
+    with pytest.raises(ValueError, match="5 columns .layers. but the parts cover 4"):
+        split_columns(space, [b"x" * 32], offsets, lengths, stage_parts(space, 0, [2, 2]))
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_layer_groups_keys_round_trip(planes):
+    """Layer-wise keys: each block of a rank is one key per layer group, holding that
+    group's columns; the group count is in the key, so another split never matches."""
+    layout = KVLayout("float16", 16, 2, 64).tag()
+    space = KeySpace("m", layout, tp_size=1, pp_size=1, layer_groups=2)
+    hashes = chain_block_hashes(list(range(16 * BLOCKS)), 16)
+    kv = region(LAYERS * planes, seed=7)
+    offsets, lengths = table(kv, [2, 0, 3, 1])
+    parts = group_parts(0, LAYERS, 2, planes)
+    assert [(p.lo, p.hi) for p in parts] == [(0, 3 * planes), (3 * planes, 5 * planes)]
+    pool: dict[str, bytes] = {}
+    for g, (keys, offs, lens) in enumerate(split_columns(space, hashes, offsets, lengths, parts)):
+        assert {BlockKey.from_str(k).layer_group for k in keys} == {g}
+        assert all(f"@lg{g}of2@" in k for k in keys)
+        store(pool, kv, keys, offs, lens)
+    assert len(pool) == 2 * BLOCKS
+    assert set(pool) == set(space.lookup_key_strs(hashes))
+    back = region(LAYERS * planes, seed=None)
+    for keys, offs, lens in split_columns(space, hashes, offsets, lengths, parts):
+        load(pool, back, keys, offs, lens)
+    assert np.array_equal(back[:, [2, 0, 3, 1]], kv[:, [2, 0, 3, 1]])
+    # Whole-block keys and another group count name other objects.
+    assert not set(pool) & set(KeySpace("m", layout).lookup_key_strs(hashes))
+    assert not set(pool) & set(KeySpace("m", layout, layer_groups=3).lookup_key_strs(hashes))
+
+
+def test_layerwise_and_prefill_pp_split_refused():
+    with pytest.raises(ValueError, match="use_layerwise cannot be combined with prefill_pp_size"):
+        ConnectorConfig(use_layerwise=True, prefill_pp_size=2)

@@ -136,6 +136,41 @@ def test_only_loaded_rows_are_scattered():
         stager.close()
 
 
+@pytest.mark.parametrize("kind", ["flash", "ascend"])
+def test_column_ranges_move_only_their_layers(kind):
+    """Layer-wise transfers gather and scatter one group of segments at a time: each
+    touches its own columns of the slots and its own layers of the cache, and group by
+    group equals the whole-block round trip."""
+    caches = _layers(kind, n_layers=4)
+    whole = Stager(caches, NB, 1 << 20, "kvray-test-whole")
+    parts = Stager(caches, NB, 1 << 20, "kvray-test-parts")
+    try:
+        blocks = [4, 9, 1]
+        whole.gather(blocks, whole.reserve(3))
+        first = parts.reserve(3)
+        cols = parts.columns
+        half = (cols // 2 // parts.planes_per_layer) * parts.planes_per_layer
+        for lo, hi in [(half, cols), (0, half)]:  # any order
+            assert parts.gather(blocks, first, (lo, hi), wait=False) is None  # CPU: done
+        used = whole.seg_base[-1] + whole.seg_bytes[-1] * whole.capacity
+        assert np.array_equal(whole.region.array[:used], parts.region.array[:used])
+        # Scatter only the second half's layers back into blocks 0, 2, 3.
+        before = {n: [p.clone() for p in _planes(e)] for n, e in caches.items()}
+        parts.scatter([0, 2, 3], first, [0, 1, 2], (half, cols), wait=False)
+        layer_of_half = half // parts.planes_per_layer
+        for i, (n, e) in enumerate(caches.items()):
+            for p, old in zip(_planes(e), before[n], strict=True):
+                d = 1 if p.dim() == 5 else 0
+                if i < layer_of_half:
+                    assert torch.equal(p, old), n  # first half untouched
+                else:
+                    src = old.index_select(d, torch.tensor(blocks))
+                    assert torch.equal(p.index_select(d, torch.tensor([0, 2, 3])), src), n
+    finally:
+        whole.close()
+        parts.close()
+
+
 def test_slots_are_bounded_and_reused():
     caches = _layers("vllm032", n_layers=2)
     block_bytes = 2 * H * BS * 2 * D * 2

@@ -101,7 +101,9 @@ def test_layer_group_keys():
         for g in range(3):
             strs = space.rank_key_strs(hashes, rank, g)
             assert strs == [space.key(h, rank, 0, g).to_str() for h in hashes]
-            assert all(BlockKey.from_str(s) == space.key(h, rank, 0, g) for s, h in zip(strs, hashes))
+            assert all(
+                BlockKey.from_str(s) == space.key(h, rank, 0, g) for s, h in zip(strs, hashes)
+            )
             assert all(f"@tp{rank}@pp0@lg{g}of3@" in s for s in strs)
     assert len(set(space.lookup_key_strs(hashes))) == space.columns * len(hashes) == 6 * 4
     with pytest.raises(KeyFormatError, match="layer group 3 is outside 0..2"):

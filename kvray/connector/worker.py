@@ -774,13 +774,22 @@ class KVRayWorker:
         return errors
 
     def shutdown(self) -> None:
+        if not ray.is_initialized():
+            # Interpreter exit after Ray's own atexit shutdown (vLLM's finalizer runs
+            # later): the refs are gone with Ray's session, and a Ray call would start a
+            # new one. Only this process's memory is left to release.
+            self._close_memory()
+            return
         self._finish_layerwise_load()
         self._end_layerwise_save()
         self._reap_saves(block=True)
+        if self._stager is not None and self._async_loads:  # the actor may still write
+            refs = [r for group in self._async_loads for r in group]
+            ray.wait(refs, num_returns=len(refs), timeout=self._call_timeout_s)
+        self._close_memory()
+
+    def _close_memory(self) -> None:
         if self._allocator is not None:
             self._allocator.close()
         if self._stager is not None:
-            if self._async_loads:  # the actor may still write into staging
-                refs = [r for group in self._async_loads for r in group]
-                ray.wait(refs, num_returns=len(refs), timeout=self._call_timeout_s)
             self._stager.close()

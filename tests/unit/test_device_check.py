@@ -26,7 +26,9 @@ def test_device_check_runs_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     trips = result["round_trips"]
-    assert len(trips) == 15 and all(r["staged_bytes_exact"] and r["restored_exact"] for r in trips)
+    assert len(trips) == 15 and all(
+        r["staged_bytes_exact"] and r["restored_exact"] and r["layerwise_exact"] for r in trips
+    )
     reps = result["bandwidth"]["reps"]
     assert {r["path"] for r in reps} == {"staged_d2h", "torch_d2h", "staged_h2d", "torch_h2d"}
     assert len(reps) == 8 and all(r["gbps"] > 0 for r in reps)

@@ -1,0 +1,339 @@
+"""Layer-wise transfers (``use_layerwise``) against whole-step transfers, on pool hits.
+
+Each configuration is a live vLLM engine (its own process, kept up for the whole run);
+the repetitions are interleaved: for every (input length, hit rate, rep) each engine in
+turn, in an order rotated per rep, seeds the prefix (its own key namespace) and then
+times one request that starts with it (TTFT: one generated token, alone in its engine).
+Engines not taking their turn are paused (SIGSTOP), so their background threads do not
+take CPU from the one being measured.
+
+- ``local``: vLLM's prefix cache, prefix resident in the engine (the ideal: no transfer);
+- ``kvray``: KVRayConnector, ``shared`` placement, whole-step loads (the baseline);
+- ``kvray-lw``: the same with ``use_layerwise`` (one group per layer by default);
+- ``staged`` / ``staged-lw``: the ``staged`` placement (the GPU/NPU code path, on CPU
+  tensors) without and with ``use_layerwise``.
+
+Every rep is recorded; the table shows medians and the layer-wise change of TTFT
+(negative: faster). The engines' request lines are checked afterwards: a measured
+request that did not load its prefix from the pool, or any failed load, is an error
+(the comparison would be void).
+
+    .venv/bin/python scripts/bench_layerwise.py --json bench-results/bench_layerwise.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 128
+CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Engine:
+    """One live engine process (scripts/_engine_server.py)."""
+
+    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
+        self.name = name
+        path = tmp / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        self.log_path = tmp / f"{name}.log"
+        self._log: IO[str] = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "_engine_server.py"), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # ended
+
+    def answer(self, timeout_s: float = 600) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            line = ""
+        if not line:
+            tail = self.log_path.read_text()[-4000:]
+            raise RuntimeError(
+                f"engine {self.name} ended or gave no answer in {timeout_s:.0f} s; "
+                f"its log ends:\n{tail}"
+            )
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(f"engine {self.name}: {out['error']}")
+        return out
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def pause(self) -> None:
+        """SIGSTOP between turns: an idle engine's Ray and vLLM threads (measured here:
+        ~12 % of a core each, plus the GCS serving them) would otherwise take CPU from
+        the engine being measured on a 2-core machine."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def request_lines(self) -> list[dict[str, int]]:
+        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
+        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            try:
+                self.call(op="quit")
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a stuck engine is killed below
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def engine_spec(name: str, model: str, max_len: int, groups: int) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
+    if name != "local":
+        extra = {
+            "pool_name": "bench",
+            "load_async": False,
+            "kv_placement": "staged" if name.startswith("staged") else "shared",
+            "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
+        }
+        if name.endswith("-lw"):
+            extra.update(use_layerwise=True, layerwise_groups=groups)
+        spec["kv_transfer_config"] = {
+            "kv_connector": "KVRayConnector",
+            "kv_connector_module_path": "kvray.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    return spec
+
+
+def commit() -> str:
+    """The measured code: HEAD, ``+dirty`` when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--rates", default="0.5,0.9")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--groups", type=int, default=4, help="layerwise_groups (model: 4 layers)")
+    parser.add_argument(
+        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
+    )
+    parser.add_argument("--json", type=Path, help="write results here")
+    args = parser.parse_args()
+    if args.reps < 3:
+        parser.error("--reps must be >= 3")
+    configs = args.configs.split(",")
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    if not all(0 < r < 1 for r in rates):
+        parser.error("--rates must be hit rates in (0, 1): layer-wise only matters on hits")
+
+    import numpy as np
+    import ray
+
+    from kvray import Pool, PoolConfig
+    from kvray.ray_env import ray_init
+    from kvray.tiny_model import build_prefill_bound_llama
+
+    log(f"== building the model in {args.model_dir}")
+    model = str(build_prefill_bound_llama(args.model_dir))
+    log("== starting Ray (loopback) and a kvray pool with its embedded master")
+    ray_init("local", num_cpus=4)
+    pool = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "bench",
+                "world_size": 1,
+                "detached": False,
+                "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "256MB"},
+            },
+            environ={},
+        )
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    engines: dict[str, Engine] = {}
+    reps: dict[tuple[str, int, float], list[float]] = {}
+    measured = {name: 0 for name in configs}
+    try:
+        for name in configs:  # one at a time: a 2-core machine starts engines slowly
+            log(f"== starting engine {name}")
+            engines[name] = Engine(
+                name, engine_spec(name, model, max(lengths) + 16, args.groups), env, tmp
+            )
+            engines[name].answer()
+        warm = np.random.default_rng(99).integers(3, 1000, 300).tolist()
+        for e in engines.values():
+            e.call(op="ttft", prompt=warm)
+            e.call(op="drain")
+            e.pause()
+        total = len(lengths) * len(rates) * args.reps
+        done = 0
+        for length in lengths:
+            for rate in rates:
+                prefix_len = int(rate * length) // BLOCK * BLOCK
+                for rep in range(args.reps):
+                    rng = np.random.default_rng([length, int(rate * 100), rep])
+                    prefix = rng.integers(3, 1000, prefix_len).tolist()
+                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    k = rep % len(configs)
+                    for name in configs[k:] + configs[:k]:  # rotated per rep
+                        e = engines[name]
+                        e.resume()
+                        e.call(op="ttft", prompt=seed)
+                        e.call(op="drain")
+                        ttft = e.call(op="ttft", prompt=probe)["ttft_s"]
+                        e.call(op="drain")  # nothing in flight while paused
+                        e.pause()
+                        reps.setdefault((name, length, rate), []).append(ttft)
+                        measured[name] += 1
+                    done += 1
+                    last = "  ".join(
+                        f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs
+                    )
+                    log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
+        checks = {name: check_loads(engines[name], measured[name]) for name in configs}
+    finally:
+        for e in engines.values():
+            e.close()
+        pool.shutdown()
+        ray.shutdown()
+
+    rows = []
+    for length in lengths:
+        for rate in rates:
+            row: dict[str, Any] = {"input_tokens": length, "hit_rate": rate}
+            for name in configs:
+                times = reps[(name, length, rate)]
+                row[name] = {"median_s": statistics.median(times), "reps_s": times}
+            rows.append(row)
+    print_table(rows, configs)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "commit": commit(),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "reps": args.reps,
+            "layerwise_groups": args.groups,
+            "order": "interleaved: per rep every config in turn, order rotated per rep; "
+            "engines not in turn paused (SIGSTOP)",
+            "load_checks": checks,
+        }
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def check_loads(engine: Engine, measured: int) -> dict[str, int]:
+    """Every probe request of a connector engine loaded its prefix from the pool, and
+    no load failed; the comparison is void otherwise."""
+    lines = engine.request_lines()
+    if engine.name == "local":
+        return {"requests": measured}
+    loaded = [ln for ln in lines if ln["loaded"] > 0]
+    failed = sum(ln["failed"] for ln in lines)
+    if failed or len(loaded) < measured:
+        raise RuntimeError(
+            f"{engine.name}: {len(loaded)} of {measured} timed requests loaded from the pool "
+            f"and {failed} blocks failed to load (see {engine.log_path}): results void"
+        )
+    return {"requests": measured, "loaded_requests": len(loaded), "failed_blocks": failed}
+
+
+def print_table(rows: list[dict[str, Any]], configs: list[str]) -> None:
+    def ms(row: dict[str, Any], name: str) -> str:
+        if name not in row:
+            return f"{'-':>15}"
+        reps = row[name]["reps_s"]
+        spread = (max(reps) - min(reps)) / row[name]["median_s"]
+        return f"{row[name]['median_s'] * 1e3:9.1f} ±{spread / 2:4.0%}"
+
+    def change(row: dict[str, Any], lw: str, base: str) -> str:
+        if lw not in row or base not in row:
+            return f"{'-':>9}"
+        a, b = row[lw]["median_s"], row[base]["median_s"]
+        return f"{(a - b) / b:+9.1%}"
+
+    print()
+    print(
+        f"{'input':>6} {'hit':>5} "
+        + " ".join(f"{n + ' ms':>15}" for n in configs)
+        + f" {'lw shared':>9} {'lw staged':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} "
+            + " ".join(ms(r, n) for n in configs)
+            + f" {change(r, 'kvray-lw', 'kvray')} {change(r, 'staged-lw', 'staged')}"
+        )
+    print(
+        "\nmedian TTFT per configuration ± half the range of its reps, relative; lw = "
+        "layer-wise TTFT change (medians) against the same placement's whole-step transfers "
+        "(negative: faster)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

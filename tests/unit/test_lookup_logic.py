@@ -88,3 +88,32 @@ def test_a_slow_ask_does_not_end_a_prefill_wait():
     plain = LookupService(SlowOnceExists())  # type: ignore[arg-type]
     assert asyncio.run(plain.lookup(space, hashes, 0.1)) == 0
     assert plain.stats.lookup_timeouts == 1
+
+
+def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
+    """Layer-wise keys: a block is a hit only when every rank has every layer group of
+    it, in DRAM or in that rank's SSD tier (asked with that rank's keys only)."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import LookupService
+
+    space = KeySpace("m", "float32-b16-h1x8", tp_size=2, pp_size=1, layer_groups=2)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    backend = FakeExists()
+    every = set(space.lookup_key_strs(hashes))
+    backend.keys = every - set(space.rank_key_strs(hashes[1:], 1, 1))  # rank 1 group 1: block 0
+    ssd_asks: list[tuple[int, list[str]]] = []
+    on_ssd = set(space.rank_key_strs(hashes[1:2], 1, 1))  # rank 1 group 1: block 1 on SSD
+
+    async def lower(rank: int, keys: list[str]) -> list[bool]:
+        ssd_asks.append((rank, keys))
+        return [k in on_ssd for k in keys]
+
+    service = LookupService(backend, lower)  # type: ignore[arg-type]
+    assert asyncio.run(service.lookup(space, hashes, 1.0)) == 2
+    assert [rank for rank, _ in ssd_asks] == [1]
+    assert set(ssd_asks[0][1]) == set(space.rank_key_strs(hashes[1:], 1, 1))
+    assert service.stats.lookup_ssd_blocks == 1
+    backend.keys = every - {space.rank_key_strs(hashes, 0, 0)[0]}  # rank 0 group 0: block 0
+    assert asyncio.run(LookupService(backend).lookup(space, hashes, 1.0)) == 0  # type: ignore[arg-type]

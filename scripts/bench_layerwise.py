@@ -27,101 +27,25 @@ import argparse
 import json
 import os
 import platform
-import queue
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _engines import Engine, git_commit, kvray_transfer_config  # noqa: E402
+
 BLOCK = 128
 CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class Engine:
-    """One live engine process (scripts/_engine_server.py)."""
-
-    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
-        self.name = name
-        path = tmp / f"{name}.spec.json"
-        path.write_text(json.dumps(spec))
-        self.log_path = tmp / f"{name}.log"
-        self._log: IO[str] = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "_engine_server.py"), str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put("")  # ended
-
-    def answer(self, timeout_s: float = 600) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            line = ""
-        if not line:
-            tail = self.log_path.read_text()[-4000:]
-            raise RuntimeError(
-                f"engine {self.name} ended or gave no answer in {timeout_s:.0f} s; "
-                f"its log ends:\n{tail}"
-            )
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(f"engine {self.name}: {out['error']}")
-        return out
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def pause(self) -> None:
-        """SIGSTOP between turns: an idle engine's Ray and vLLM threads (measured here:
-        ~12 % of a core each, plus the GCS serving them) would otherwise take CPU from
-        the engine being measured on a 2-core machine."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def request_lines(self) -> list[dict[str, int]]:
-        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
-        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.resume()
-            try:
-                self.call(op="quit")
-                self.proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001 - a stuck engine is killed below
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def engine_spec(name: str, model: str, max_len: int, groups: int) -> dict[str, Any]:
@@ -135,30 +59,8 @@ def engine_spec(name: str, model: str, max_len: int, groups: int) -> dict[str, A
         }
         if name.endswith("-lw"):
             extra.update(use_layerwise=True, layerwise_groups=groups)
-        spec["kv_transfer_config"] = {
-            "kv_connector": "KVRayConnector",
-            "kv_connector_module_path": "kvray.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
+        spec["kv_transfer_config"] = kvray_transfer_config(extra)
     return spec
-
-
-def commit() -> str:
-    """The measured code: HEAD, ``+dirty`` when the tree has uncommitted changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=HERE,
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main() -> int:
@@ -273,7 +175,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {
-            "commit": commit(),
+            "commit": git_commit(HERE),
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
             "reps": args.reps,
             "layerwise_groups": args.groups,

@@ -57,7 +57,8 @@ def log_through_vllm() -> None:
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
+    # INFO, or DEBUG with vLLM's (VLLM_LOGGING_LEVEL=DEBUG: per-request timelines too).
+    ours.setLevel(min(logging.INFO, theirs.getEffectiveLevel()))
     ours.propagate = False
 
 

@@ -36,6 +36,8 @@ class KVRayMetadata(KVConnectorMetadata):
     """Finished requests whose blocks stay allocated until their saves completed."""
     preempted: list[str] = field(default_factory=list)
     """Requests whose blocks were freed: their in-flight saves must drain first."""
+    step: int = 0
+    """The scheduler's step number, echoed back in the worker's step times."""
 
     def is_empty(self) -> bool:
         return not (

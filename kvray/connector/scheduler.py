@@ -28,6 +28,7 @@ import ray
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.stats import KVRayConnectorStats
+from kvray.connector.timeline import RequestClock, StepTimes
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,6 +120,11 @@ class KVRayScheduler:
         failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
+        self._clocks: dict[str, RequestClock] = {}
+        """Per-request timelines, from first sight to finish."""
+        self._step = 0
+        self._first_token_steps: dict[int, list[str]] = {}
+        """Step -> requests whose first token that step computes."""
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
         self._pd_wait_s = info.config.pd_wait_ms / 1e3
@@ -147,13 +153,24 @@ class KVRayScheduler:
         ref = self._lookup_actor.lookup.remote(
             self.info.space, hashes, self._timeout_s, want, wait_s
         )
+        clock = self._clock(request)
+        if clock.timeline.lookup_sent_ms is None:
+            clock.timeline.lookup_sent_ms = clock.now_ms()
         pending = _Lookup(ref, time.monotonic(), first_block, self._timeout_s + wait_s, want)
         self._lookups[request.request_id] = pending
         return pending
 
+    def _clock(self, request: Request) -> RequestClock:
+        clock = self._clocks.get(request.request_id)
+        if clock is None:
+            arrival = getattr(request, "arrival_time", None)
+            clock = self._clocks[request.request_id] = RequestClock(arrival)
+        return clock
+
     def on_new_request(self, request: Request) -> None:
         """Start the lookup as the request arrives, so that it is usually answered by the
         time the scheduler first considers the request."""
+        self._clock(request)
         if self.info.can_load and request.block_hashes:
             self._start_lookup(request, 0)
 
@@ -165,11 +182,13 @@ class KVRayScheduler:
         hashes = request.block_hashes
         if not self.info.can_load or len(hashes) <= local:
             self._admit(_Request(request, local, next_save=local))
+            clock = self._clock(request)
+            clock.timeline.admitted_ms = clock.now_ms()
             return 0, False
         pending = self._lookups.get(rid)
         if pending is None or pending.first_block > local:
             self._start_lookup(request, local)
-            return None, False
+            return self._wait_a_step(request)
         # A busy engine is never stalled: ask again next step. An idle one (the last step
         # ran nothing) has nothing to delay, so wait for the answer instead of spinning
         # empty steps: each one also keeps vLLM's worker busy-polling for a second, which
@@ -180,7 +199,8 @@ class KVRayScheduler:
         ready, _ = ray.wait([pending.ref], timeout=0 if self._engine_busy else remaining)
         if not ready:
             if time.monotonic() - pending.started < pending.timeout_s:
-                return None, False
+                return self._wait_a_step(request)
+            self._clock(request).timeline.lookup_timed_out = True
             self._lookups.pop(rid)
             ray.cancel(pending.ref)
             self.stats.add("lookup_misses_timeout")
@@ -202,10 +222,14 @@ class KVRayScheduler:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
                 self._start_lookup(request, local)
-                return None, False
+                return self._wait_a_step(request)
             if leading < pending.want:
                 self._prefill_blocks_missing(rid, pending, leading)
             hit = max(0, pending.first_block + leading - local)
+        clock = self._clock(request)
+        clock.timeline.lookup_answered_ms = clock.now_ms()
+        clock.timeline.admitted_ms = clock.timeline.lookup_answered_ms
+        self.stats.add("lookup_us", int((time.monotonic() - pending.started) * 1e6))
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", len(hashes) - local)
         self.stats.add("lookup_hit_blocks", hit)
@@ -219,6 +243,12 @@ class KVRayScheduler:
         if external == 0:
             return 0, False
         return external, self.info.config.load_async
+
+    def _wait_a_step(self, request: Request) -> tuple[None, bool]:
+        """The request sits out this step: its lookup is not answered yet."""
+        self._clock(request).timeline.lookup_wait_steps += 1
+        self.stats.add("lookup_wait_steps")
+        return None, False
 
     def _expected_from_prefill(self, request: Request) -> int:
         """Leading blocks the request's prefill instance reported in the pool (0: none,
@@ -308,6 +338,10 @@ class KVRayScheduler:
             elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
             st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+        self._step += 1
+        for step in [s for s in self._first_token_steps if s < self._step - 1000]:
+            del self._first_token_steps[step]  # outputs that never came with step times
+        self._stamp_first_token_step(scheduled)
         saves = self._plan_saves(scheduled) if self.info.can_save else []
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
@@ -315,9 +349,36 @@ class KVRayScheduler:
                 if self._block_owner.get(block_id) == rid:
                     del self._block_owner[block_id]
             self._preempted.append(rid)
-        meta = KVRayMetadata(self._loads, self._async_loads, saves, self._delayed, self._preempted)
+        meta = KVRayMetadata(
+            self._loads, self._async_loads, saves, self._delayed, self._preempted, self._step
+        )
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
+
+    def _stamp_first_token_step(self, scheduled: dict[str, int]) -> None:
+        """Note the step that completes each request's prompt (it samples the first
+        token) and the prefill steps before it."""
+        for rid in scheduled:
+            st, clock = self._reqs.get(rid), self._clocks.get(rid)
+            if st is None or clock is None or clock.first_step is not None:
+                continue
+            clock.timeline.prefill_steps += 1
+            if st.computed_tokens >= st.request.num_prompt_tokens:
+                clock.first_step = self._step
+                clock.timeline.first_step_built_ms = clock.now_ms()
+                self._first_token_steps.setdefault(self._step, []).append(rid)
+
+    def _take_step_times(self, times: StepTimes) -> None:
+        """A step's output is back: the first tokens it computed are out."""
+        for step in [s for s in self._first_token_steps if s <= times.step]:
+            for rid in self._first_token_steps.pop(step):
+                clock = self._clocks.get(rid)
+                if clock is None:
+                    continue
+                tl = clock.timeline
+                tl.first_token_ms = clock.now_ms()
+                if step == times.step:
+                    tl.load_wait_ms, tl.forward_ms = times.load_wait_ms, times.forward_ms
 
     def _plan_saves(self, scheduled: dict[str, int]) -> list[BlockOp]:
         """Prompt blocks completed by this step and not yet in the pool."""
@@ -344,6 +405,9 @@ class KVRayScheduler:
         return saves
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        times = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(times, StepTimes):
+            self._take_step_times(times)
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -364,6 +428,9 @@ class KVRayScheduler:
         rid = request.request_id
         self._lookups.pop(rid, None)
         st = self._reqs.pop(rid, None)
+        clock = self._clocks.pop(rid, None)
+        if clock is not None and st is not None:
+            self._log_timeline(rid, clock, st)
         if st is None:
             self._release_blocks(rid, block_ids)
             return False, None
@@ -407,6 +474,35 @@ class KVRayScheduler:
             self._release_blocks(rid, block_ids)
             self._log_request(rid, st, total)
         self._errored.clear()
+
+    @staticmethod
+    def _log_timeline(rid: str, clock: RequestClock, st: _Request) -> None:
+        tl = clock.timeline
+        tl.hit_pool, tl.loaded, _ = st.totals()
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.1f}"
+
+        logger.debug(
+            "timeline request_id=%s arrival_lag=%s lookup_sent=%s lookup_answered=%s%s "
+            "lookup_wait_steps=%d admitted=%s first_step_built=%s load_wait=%s forward=%s "
+            "first_token=%s prefill_steps=%d (ms from first sight)",
+            rid,
+            ms(tl.arrival_lag_ms),
+            ms(tl.lookup_sent_ms),
+            ms(tl.lookup_answered_ms),
+            " (timed out)" if tl.lookup_timed_out else "",
+            tl.lookup_wait_steps,
+            ms(tl.admitted_ms),
+            ms(tl.first_step_built_ms),
+            ms(tl.load_wait_ms),
+            ms(tl.forward_ms),
+            ms(tl.first_token_ms),
+            tl.prefill_steps,
+            extra={"kvray_timeline": {"request_id": rid, **tl.as_dict()}},
+        )
 
     @staticmethod
     def _log_request(rid: str, st: _Request, total: int) -> None:

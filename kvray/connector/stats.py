@@ -25,6 +25,9 @@ COUNTERS = (
     "saved_bytes",
     "pd_waits",
     "pd_wait_timeouts",
+    "lookup_us",
+    "lookup_wait_steps",
+    "load_wait_us",
 )
 
 HELP = {
@@ -41,6 +44,9 @@ HELP = {
     "saved_bytes": "Bytes stored to the pool",
     "pd_waits": "Decode requests that waited for their prefill's blocks",
     "pd_wait_timeouts": "Decode requests whose prefill's blocks did not all arrive in pd_wait_ms",
+    "lookup_us": "Microseconds from sending lookups to the scheduler seeing their answers",
+    "lookup_wait_steps": "Scheduler steps in which a request waited for its lookup",
+    "load_wait_us": "Microseconds engine steps waited for pool loads (slowest rank)",
 }
 assert set(HELP) == set(COUNTERS)
 

@@ -44,6 +44,7 @@ from kvray.connector.pp import Part, group_parts, split_columns, stage_parts
 from kvray.connector.shm_kv import SharedKVAllocator
 from kvray.connector.staging import Stager
 from kvray.connector.stats import KVRayConnectorStats
+from kvray.connector.timeline import StepClock, StepTimes
 from kvray.errors import ConfigError
 from kvray.naming import region_prefix
 from kvray.transfer import TransferBatch
@@ -159,6 +160,7 @@ class KVRayWorker:
         self._warned_late = False
         self._load_errors: set[int] = set()
         self.stats = KVRayConnectorStats()
+        self._clock = StepClock()
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -407,6 +409,14 @@ class KVRayWorker:
     def bind(self, meta: KVRayMetadata) -> None:
         self._meta = meta
         self._finishing.update(meta.delayed_frees)
+        self._clock.bind(meta.step)
+
+    def step_times(self) -> StepTimes | None:
+        """This step's connector times, for the scheduler side (once per step)."""
+        times = self._clock.times()
+        if times is not None and times.load_wait_ms:
+            self.stats.add("load_wait_us", int(times.load_wait_ms * 1e3))
+        return times
 
     def handle_preemptions(self, meta: KVRayMetadata) -> None:
         refs = [r for rid in meta.preempted for r in self._saves_of.get(rid, ())]
@@ -415,6 +425,15 @@ class KVRayWorker:
             self._reap_saves(block=False)
 
     def start_load_kv(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:
+            # Sync loads hold the forward back; async ones only cost their submission.
+            waited = bool(self._meta and self._meta.loads)
+            self._clock.loaded(time.perf_counter() - t0, waited=waited)
+
+    def _start_load_kv(self) -> None:
         self._finish_layerwise_load()  # a step whose forward never reached wait_for_save
         meta = self._meta
         if meta is None:
@@ -486,10 +505,12 @@ class KVRayWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._lw_load
         g = self._group_of.get(layer_name)
-        if load is None or g is None:
+        if load is None or g is None or len(load.statuses) > g:
             return
+        t0 = time.perf_counter()
         while len(load.statuses) <= g:
             self._finish_load_group(load)
+        self._clock.loaded(time.perf_counter() - t0, waited=True)
         if len(load.statuses) == len(self._parts):
             load.on_time = True
 
@@ -673,6 +694,13 @@ class KVRayWorker:
             )
 
     def wait_for_save(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._wait_for_save()
+        finally:
+            self._clock.saving(t0, time.perf_counter() - t0)
+
+    def _wait_for_save(self) -> None:
         self._finish_layerwise_load()
         if self._lw_save is not None:
             self._end_layerwise_save()

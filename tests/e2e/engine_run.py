@@ -9,7 +9,8 @@ SPEC: {"model": dir, "connector": null | {"extra": {...}, "policy": "recompute",
        "role": "kv_both"}, "kv_transfer_config": null | {...} (used as given),
        "runs": [[prompt token ids, ...], ...], "max_tokens": 8,
        "wait_saves_for": "pool name" | null, "inject_drop": false | "pool name",
-       "record_hashes": false, "skip_layer_hooks": false, "hang": false}
+       "record_hashes": false, "skip_layer_hooks": false, "timelines": false,
+       "hang": false}
 
 ``hang``: after writing OUT.json, print ``engine-run: hanging`` and sleep, so a test can
 kill the engine (SIGKILL) while everything it set up is still in place.
@@ -64,6 +65,21 @@ def _record_block_hashes(into: list[list[str]]) -> None:
     sched_mod.KVRayScheduler.request_finished = record
 
 
+def _collect_timelines(into: list[dict]) -> None:
+    """The connector's per-request timelines (its DEBUG records) into ``into``."""
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            timeline = getattr(record, "kvray_timeline", None)
+            if timeline is not None:
+                into.append(timeline)
+
+    kvray_logger = logging.getLogger("kvray")
+    kvray_logger.addHandler(Collect(logging.DEBUG))
+    kvray_logger.setLevel(logging.DEBUG)
+
+
 def _skip_layer_hooks() -> None:
     """An engine that never calls wait_for_layer_load (as under full CUDA graphs): the
     layer-wise connector must report the step's loads failed, never use late bytes."""
@@ -86,6 +102,10 @@ def main() -> int:
         )
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    timelines: list[dict] = []
+    if spec.get("timelines"):
+        _collect_timelines(timelines)
 
     kwargs: dict = {}
     conn = spec.get("connector")
@@ -139,7 +159,7 @@ def main() -> int:
         if spec.get("wait_saves_for"):
             _wait_for_saves(llm)
     with open(sys.argv[2], "w") as f:
-        json.dump({"runs": results, "block_hashes": hashes}, f)
+        json.dump({"runs": results, "block_hashes": hashes, "timelines": timelines}, f)
     if spec.get("hang"):
         print("engine-run: hanging", flush=True)
         time.sleep(3600)

@@ -55,6 +55,7 @@ def test_save_then_load_matches_baseline(
             "connector": connector(load_async=False),
             "runs": [[P1], [P1], [P2]],
             "wait_saves_for": "e2e",
+            "timelines": True,
         },
     )
     runs = out["runs"]
@@ -76,6 +77,16 @@ def test_save_then_load_matches_baseline(
     stats = pool.stats().total
     assert stats.get_keys >= 6 and stats.put_keys >= 5
     assert f"{placement} placement" in out["log"], out["log"][-3000:]
+    # Per-request timelines: every stage stamped, in order; the hit waited for its load.
+    assert len(out["timelines"]) == 3
+    for tl in out["timelines"]:
+        stamps = [tl[k] for k in ("lookup_sent_ms", "lookup_answered_ms", "admitted_ms",
+                                  "first_step_built_ms", "first_token_ms")]  # fmt: skip
+        assert None not in stamps and stamps == sorted(stamps), tl
+        assert tl["forward_ms"] > 0 and tl["prefill_steps"] == 1, tl
+    hit = out["timelines"][1]
+    assert (hit["hit_pool"], hit["loaded"]) == (4, 4) and hit["load_wait_ms"] > 0, hit
+    assert out["timelines"][0]["load_wait_ms"] == 0.0
 
 
 def test_pool_outlives_engine_and_async_load(

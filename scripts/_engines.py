@@ -1,0 +1,214 @@
+"""Live vLLM engines for the benchmarks: each configuration is one engine (in-process
+``LLM``, its own process) kept alive and driven over stdin/stdout, so a benchmark can
+interleave the repetitions of several configurations instead of running one after
+another. :class:`Engine` is the benchmark's side; ``main`` the engine's:
+
+    python scripts/_engines.py SPEC.json
+
+SPEC: {"model": dir, "max_len": int, "prefix_caching": bool,
+       "kv_transfer_config": null | {...}, "timeline": bool}
+
+With ``timeline`` the connector's per-request timelines (DEBUG records of the
+``kvray`` logger) are collected and returned with each ``ttft`` answer.
+
+Commands, one JSON object per stdin line; one JSON answer per stdout line (everything
+else the engine prints goes to stderr):
+
+- ``{"op": "ttft", "prompt": [ids]}`` -> ``{"ttft_s": float, "timelines": [...]}``: one
+  request generating one token, alone in the engine;
+- ``{"op": "drain"}`` -> ``{}``: step until the connector's saves are done;
+- ``{"op": "quit"}``.
+
+The first line written is ``{"ready": true}`` once the engine is up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class Engine:
+    """One live engine process, benchmark side."""
+
+    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
+        self.name = name
+        path = tmp / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        self.log_path = tmp / f"{name}.log"
+        self._log: IO[str] = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # ended
+
+    def answer(self, timeout_s: float = 600) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            line = ""
+        if not line:
+            tail = self.log_path.read_text()[-4000:]
+            raise RuntimeError(
+                f"engine {self.name} ended or gave no answer in {timeout_s:.0f} s; "
+                f"its log ends:\n{tail}"
+            )
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(f"engine {self.name}: {out['error']}")
+        return out
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def pause(self) -> None:
+        """SIGSTOP between turns: an idle engine's Ray and vLLM threads (measured on a
+        2-core machine: ~12 % of a core each, plus the GCS serving them) would otherwise
+        take CPU from the engine being measured."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def request_lines(self) -> list[dict[str, int]]:
+        """The connector's per-request lines (hit and load counts) so far."""
+        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
+        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            try:
+                self.call(op="quit")
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a stuck engine is killed below
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def kvray_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVRayConnector",
+        "kv_connector_module_path": "kvray.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def git_commit(cwd: Path) -> str:
+    """The measured code: HEAD, ``+dirty`` when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=cwd
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+class _Timelines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.got: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        timeline = getattr(record, "kvray_timeline", None)
+        if timeline is not None:
+            self.got.append(timeline)
+
+
+def main() -> int:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's and Ray's prints go to stderr; stdout carries answers only
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: no IPC in the timing
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    timelines = _Timelines()
+    if spec.get("timeline"):
+        kvray_logger = logging.getLogger("kvray")
+        kvray_logger.addHandler(timelines)
+        kvray_logger.setLevel(logging.DEBUG)
+
+    kwargs: dict[str, Any] = {"enable_prefix_caching": bool(spec.get("prefix_caching"))}
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=spec["max_len"],
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.connector
+
+    def reply(obj: dict[str, Any]) -> None:
+        answers.write(json.dumps(obj) + "\n")
+
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "ttft":
+            timelines.got.clear()
+            t0 = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
+            reply({"ttft_s": time.perf_counter() - t0, "timelines": list(timelines.got)})
+        elif op == "drain":
+            deadline = time.monotonic() + 60
+            while (
+                connector is not None
+                and connector.has_pending_push_work()
+                and time.monotonic() < deadline
+            ):
+                core.step_fn()
+            time.sleep(0.05)
+            reply({})
+        elif op == "quit":
+            reply({})
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

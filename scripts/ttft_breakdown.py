@@ -1,0 +1,230 @@
+"""Where a pool hit's time to first token goes: kvray's per-request timeline next to
+vLLM's local prefix cache (the ideal: the prefix is resident, nothing to move) for the
+same prompts.
+
+Each configuration is a live engine (``scripts/_engines.py``); reps are interleaved and
+engines not in turn are paused. For every (input length, hit rate, rep) each engine
+seeds the prefix, then one request that starts with it is timed (``LLM.generate`` of one
+token, alone in the engine); kvray's engine also returns that request's timeline
+(:mod:`kvray.connector.timeline`). The table splits kvray's TTFT into:
+
+- ``to lookup``: from vLLM's arrival stamp to the lookup being sent;
+- ``lookup``: sent to answered, as the scheduler saw it (``waits``: steps it sat out);
+- ``to step``: answered to the step that computes its first token being handed to the
+  workers (scheduling, block allocation, metadata);
+- ``load``: that step waiting for pool loads; ``forward``: the forward itself;
+- ``after step``: the step's connector work after the forward (saves sent) and the step
+  output getting back to the scheduler;
+- ``to caller``: from there to ``generate`` returning (output processing);
+
+medians over reps, next to the local prefix cache's TTFT and kvray's excess over it.
+
+    .venv/bin/python scripts/ttft_breakdown.py --json bench-results/ttft_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _engines import Engine, git_commit, kvray_transfer_config  # noqa: E402
+
+BLOCK = 128
+PARTS = ("to_lookup", "lookup", "to_step", "load", "forward", "after_step", "to_caller")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:
+    """kvray's TTFT in the parts of the table (ms); they sum to ``ttft_ms``."""
+    lag = tl["arrival_lag_ms"]
+    sent = tl["lookup_sent_ms"] if tl["lookup_sent_ms"] is not None else tl["admitted_ms"]
+    answered = tl["lookup_answered_ms"] if tl["lookup_answered_ms"] is not None else sent
+    built, done = tl["first_step_built_ms"], tl["first_token_ms"]
+    load, forward = tl["load_wait_ms"] or 0.0, tl["forward_ms"] or 0.0
+    return {
+        "to_lookup": lag + sent,
+        "lookup": answered - sent,
+        "to_step": built - answered,
+        "load": load,
+        "forward": forward,
+        "after_step": done - built - load - forward,
+        "to_caller": ttft_ms - lag - done,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--rates", default="0.9")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--placement", choices=("shared", "staged"), default="shared")
+    parser.add_argument(
+        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
+    )
+    parser.add_argument("--json", type=Path, help="write results here")
+    args = parser.parse_args()
+    if args.reps < 3:
+        parser.error("--reps must be >= 3")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    if not all(0 < r < 1 for r in rates):
+        parser.error("--rates must be hit rates in (0, 1)")
+
+    import numpy as np
+    import ray
+
+    from kvray import Pool, PoolConfig
+    from kvray.ray_env import ray_init
+    from kvray.tiny_model import build_prefill_bound_llama
+
+    log(f"== building the model in {args.model_dir}")
+    model = str(build_prefill_bound_llama(args.model_dir))
+    log("== starting Ray (loopback) and a kvray pool with its embedded master")
+    ray_init("local", num_cpus=4)
+    pool = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "bench",
+                "world_size": 1,
+                "detached": False,
+                "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "256MB"},
+            },
+            environ={},
+        )
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    base = {"model": model, "max_len": max(lengths) + 16}
+    specs = {
+        "local": {**base, "prefix_caching": True},
+        "kvray": {
+            **base,
+            "timeline": True,
+            "kv_transfer_config": kvray_transfer_config(
+                {
+                    "pool_name": "bench",
+                    "load_async": False,
+                    "kv_placement": args.placement,
+                    "model_namespace": "bench-breakdown",
+                }
+            ),
+        },
+    }
+    engines: dict[str, Engine] = {}
+    samples: dict[tuple[int, float], dict[str, list[Any]]] = {}
+    try:
+        for name, spec in specs.items():
+            log(f"== starting engine {name}")
+            engines[name] = Engine(name, spec, env, tmp)
+            engines[name].answer()
+            engines[name].call(op="ttft", prompt=list(range(3, 303)))  # warm-up
+            engines[name].call(op="drain")
+            engines[name].pause()
+        total, done = len(lengths) * len(rates) * args.reps, 0
+        for length in lengths:
+            for rate in rates:
+                prefix_len = int(rate * length) // BLOCK * BLOCK
+                got = samples.setdefault((length, rate), {"local": [], "kvray": []})
+                for rep in range(args.reps):
+                    rng = np.random.default_rng([length, int(rate * 100), rep, 7])
+                    prefix = rng.integers(3, 1000, prefix_len).tolist()
+                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    order = ["local", "kvray"] if rep % 2 == 0 else ["kvray", "local"]
+                    for name in order:
+                        e = engines[name]
+                        e.resume()
+                        e.call(op="ttft", prompt=seed)
+                        e.call(op="drain")
+                        ans = e.call(op="ttft", prompt=probe)
+                        e.call(op="drain")
+                        e.pause()
+                        ttft_ms = ans["ttft_s"] * 1e3
+                        if name == "local":
+                            got["local"].append(ttft_ms)
+                            continue
+                        (tl,) = ans["timelines"]
+                        if tl["loaded"] == 0 or tl["first_token_ms"] is None:
+                            raise RuntimeError(f"the timed request did not load a hit: {tl}")
+                        got["kvray"].append({"ttft_ms": ttft_ms, "timeline": tl})
+                    done += 1
+                    log(
+                        f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: "
+                        f"local {got['local'][-1]:.1f} ms, kvray {got['kvray'][-1]['ttft_ms']:.1f}"
+                        " ms"
+                    )
+    finally:
+        for e in engines.values():
+            e.close()
+        pool.shutdown()
+        ray.shutdown()
+
+    rows = []
+    for (length, rate), got in samples.items():
+        parts = [split(s["ttft_ms"], s["timeline"]) for s in got["kvray"]]
+        row = {
+            "input_tokens": length,
+            "hit_rate": rate,
+            "local_ttft_ms": statistics.median(got["local"]),
+            "kvray_ttft_ms": statistics.median(s["ttft_ms"] for s in got["kvray"]),
+            "parts_ms": {p: statistics.median(x[p] for x in parts) for p in PARTS},
+            "lookup_wait_steps": statistics.median(
+                s["timeline"]["lookup_wait_steps"] for s in got["kvray"]
+            ),
+            "reps": {"local_ttft_ms": got["local"], "kvray": got["kvray"]},
+        }
+        rows.append(row)
+    print()
+    print(
+        f"{'input':>6} {'hit':>4} {'local':>7} {'kvray':>7} {'excess':>7} | "
+        + " ".join(f"{p.replace('_', ' '):>10}" for p in PARTS)
+        + f" {'waits':>5}"
+    )
+    for r in rows:
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>4.0%} {r['local_ttft_ms']:7.1f} "
+            f"{r['kvray_ttft_ms']:7.1f} {r['kvray_ttft_ms'] - r['local_ttft_ms']:+7.1f} | "
+            + " ".join(f"{r['parts_ms'][p]:10.2f}" for p in PARTS)
+            + f" {r['lookup_wait_steps']:5.0f}"
+        )
+    print(
+        "\nms, medians over reps (each part's median: parts need not sum to the TTFT "
+        "median); excess = kvray - local; waits = scheduler steps the request sat out "
+        "for its lookup"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "commit": git_commit(HERE),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "reps": args.reps,
+            "placement": args.placement,
+            "order": "interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
+        }
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

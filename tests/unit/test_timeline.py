@@ -1,0 +1,48 @@
+"""The per-request timeline's worker-side step clock and its aggregation across ranks."""
+
+from __future__ import annotations
+
+import time
+
+from kvray.connector.timeline import RequestClock, StepClock, StepTimes
+
+
+def test_step_clock_separates_load_wait_forward_and_save():
+    clock = StepClock()
+    assert clock.times() is None  # no step bound
+    clock.bind(7)
+    clock.loaded(0.010, waited=True)  # sync loads before the forward
+    time.sleep(0.03)  # "the forward" (plus the 10 ms above, had they really passed)
+    clock.loaded(0.005, waited=True)  # a layer-wise wait inside the forward
+    start = time.perf_counter()
+    clock.saving(start, 0.004)
+    times = clock.times()
+    assert times is not None and times.step == 7
+    assert times.load_wait_ms == 15.0 and times.save_ms == 4.0
+    # bound -> saving start, minus the 15 ms spent in the connector
+    assert 10.0 <= times.forward_ms <= 30.0 + 50.0
+    assert clock.times() is None  # once per step
+
+
+def test_async_load_submission_is_not_a_wait():
+    clock = StepClock()
+    clock.bind(1)
+    clock.loaded(0.002, waited=False)
+    times = clock.times()
+    assert times is not None and times.load_wait_ms == 0.0
+
+
+def test_ranks_aggregate_to_the_slowest():
+    a = StepTimes(3, load_wait_ms=1.0, forward_ms=20.0, save_ms=0.5)
+    b = StepTimes(3, load_wait_ms=4.0, forward_ms=18.0, save_ms=0.7)
+    agg = a.aggregate(b)
+    assert agg == StepTimes(3, 4.0, 20.0, 0.7)
+
+
+def test_request_clock_measures_from_first_sight():
+    clock = RequestClock(arrival_wall=time.time() - 0.05)
+    assert 40.0 <= clock.timeline.arrival_lag_ms <= 5000.0
+    time.sleep(0.01)
+    assert clock.now_ms() >= 10.0
+    assert RequestClock(None).timeline.arrival_lag_ms == 0.0
+    assert set(clock.timeline.as_dict()) >= {"lookup_sent_ms", "first_token_ms", "forward_ms"}

@@ -1,0 +1,359 @@
+"""The seeds' evaluation, automated: vLLM's OpenAI server per mode, ``vllm bench serve``
+twice on the same prompts (run 1 fills the caches, run 2 is all prefix hits), mean /
+P90 / P99 TTFT of both runs.
+
+Modes (each its own server, all up for the whole run; servers not in turn are paused with
+SIGSTOP so their background threads do not take the measured server's CPU):
+
+- ``none``: no connector, no prefix caching (everything computed, both runs);
+- ``local``: vLLM's prefix cache (the ideal on run 2: nothing to move);
+- ``peer``: vLLM's MooncakeStoreConnector (in-process Mooncake client, embedded mode,
+  its own mooncake_master with the kvray master's settings), prefix caching off;
+- ``kvray``: KVRayConnector on a kvray pool, prefix caching off;
+- ``staged``: the same through the ``staged`` placement (with ``--modes ...,staged``).
+
+Reps are interleaved: every rep runs each mode in turn (order rotated per rep) on fresh
+prompts (the rep's seed), so run 1 is cold again. The benchmark client is vLLM's own
+(``vllm.benchmarks.serve``, called as a module: the CPU wheel's ``vllm`` CLI fails on its
+version lookup) with the seeds' flags: random dataset, ``--num-prompts`` (12) of
+``--input-len`` (4000) tokens, output 2, request rate inf. The pool's hits per run come
+from the kvray server's request lines.
+
+    .venv/bin/python scripts/bench_serve.py --json bench-results/bench_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _engines import git_commit, kvray_transfer_config  # noqa: E402
+
+MODES = ("none", "local", "peer", "kvray")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One OpenAI server (its own process group, so it pauses as a whole)."""
+
+    def __init__(self, mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -> None:
+        self.mode = mode
+        self.port = free_port()
+        self.log_path = tmp / f"{mode}.log"
+        self._log: IO[str] = self.log_path.open("w")
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(max_len), "--enforce-eager", "--dtype", "float32",
+            "--seed", "0",
+        ]  # fmt: skip
+        cmd.append("--enable-prefix-caching" if mode == "local" else "--no-enable-prefix-caching")
+        if mode in ("kvray", "staged"):
+            extra = {
+                "pool_name": "bench",
+                "load_async": False,
+                "kv_placement": "shared" if mode == "kvray" else "staged",
+                "model_namespace": f"bench-serve-{mode}",
+            }
+            cmd += ["--kv-transfer-config", json.dumps(kvray_transfer_config(extra))]
+        elif mode == "peer":
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}),
+            ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.mode} exited:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"server {self.mode} not healthy in {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def request_lines(self) -> list[dict[str, int]]:
+        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
+        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def bench_once(
+    server: Server, model: str, args: argparse.Namespace, seed: int, out: Path
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` run (vLLM's module, in a child process)."""
+    code = (
+        "import sys\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "p = FlexibleArgumentParser()\n"
+        "add_cli_args(p)\n"
+        "main(p.parse_args(sys.argv[1:]))\n"
+    )
+    cmd = [
+        sys.executable, "-c", code, "--backend", "vllm",
+        "--base-url", f"http://127.0.0.1:{server.port}", "--model", model,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", "2", "--num-prompts", str(args.num_prompts),
+        "--request-rate", "inf", "--seed", str(seed), "--ignore-eos",
+        "--percentile-metrics", "ttft", "--metric-percentiles", "90,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"bench serve against {server.mode} failed:\n{res.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    if result.get("completed") != args.num_prompts:
+        raise RuntimeError(
+            f"{server.mode}: {result.get('completed')} of {args.num_prompts} requests completed"
+        )
+    return {
+        "mean_ttft_ms": result["mean_ttft_ms"],
+        "p90_ttft_ms": result["p90_ttft_ms"],
+        "p99_ttft_ms": result["p99_ttft_ms"],
+        "ttfts_ms": [t * 1e3 for t in result.get("ttfts", [])],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--input-len", type=int, default=4000)
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-serve-model")
+    )
+    parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = set(modes) - {*MODES, "staged"}
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged")
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
+
+    import ray
+
+    from kvray import Pool, PoolConfig
+    from kvray.config import MooncakeMasterConfig
+    from kvray.master import MooncakeMaster
+    from kvray.ray_env import ray_init
+    from kvray.tiny_model import build_tiny_llama
+
+    log(f"== building a small GQA Llama in {args.model_dir}")
+    model = str(
+        build_tiny_llama(
+            args.model_dir, hidden_size=512, intermediate_size=1408, num_layers=4,
+            num_heads=8, num_kv_heads=2, max_positions=args.input_len + 256,
+        )
+    )  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
+    master_settings = MooncakeMasterConfig()
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+    pool = None
+    peer_master = None
+    servers: dict[str, Server] = {}
+    runs: list[dict[str, Any]] = []
+    try:
+        if {"kvray", "staged"} & set(modes):
+            log("== starting Ray (loopback) and a kvray pool with its embedded master")
+            ray_init("local", num_cpus=4)
+            pool = Pool.start(
+                PoolConfig.from_dict(
+                    {
+                        "name": "bench",
+                        "world_size": 1,
+                        "detached": False,
+                        "master": master_settings.model_dump(),
+                        "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "512MB"},
+                    },
+                    environ={},
+                )
+            )
+            env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        if "peer" in modes:
+            peer_master = MooncakeMaster(master_settings, tmp / "peer-master")
+            cfg = {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": peer_master.start(),
+                "protocol": "tcp",
+                "global_segment_size": 4 << 30,
+                "local_buffer_size": 512 << 20,
+                "mode": "embedded",
+            }
+            (tmp / "mooncake.json").write_text(json.dumps(cfg))
+        for mode in modes:  # one at a time: engines start slowly on small machines
+            log(f"== starting the {mode} server")
+            menv = dict(env)
+            if mode == "peer":
+                menv.update(
+                    MOONCAKE_CONFIG_PATH=str(tmp / "mooncake.json"),
+                    MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1",
+                )
+            servers[mode] = Server(mode, model, args.input_len + 64, menv, tmp)
+            servers[mode].wait_ready()
+            servers[mode].pause()
+        for rep in range(args.reps):
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+            for mode in order:
+                s = servers[mode]
+                s.resume()
+                before = len(s.request_lines())
+                for run in (1, 2):
+                    out = tmp / f"{mode}-rep{rep}-run{run}.json"
+                    r = bench_once(s, model, args, seed=1000 + rep, out=out)
+                    time.sleep(1.0)  # the server's last request lines
+                    lines = s.request_lines()[before:]
+                    before += len(lines)
+                    r.update(
+                        mode=mode,
+                        rep=rep,
+                        run=run,
+                        pool_hit_blocks=sum(ln["hit_pool"] for ln in lines),
+                        loaded_blocks=sum(ln["loaded"] for ln in lines),
+                        total_blocks=sum(ln["total_blocks"] for ln in lines),
+                    )
+                    runs.append(r)
+                    log(
+                        f"   rep {rep} {mode:6} run {run}: mean TTFT {r['mean_ttft_ms']:8.1f} ms"
+                        f" (P90 {r['p90_ttft_ms']:.1f}, P99 {r['p99_ttft_ms']:.1f})"
+                        + (f", pool hits {r['pool_hit_blocks']}/{r['total_blocks']} blocks"
+                           if lines else "")
+                    )  # fmt: skip
+                s.pause()
+    finally:
+        for s in servers.values():
+            s.stop()
+        if peer_master is not None:
+            peer_master.stop()
+        if pool is not None:
+            pool.shutdown()
+            ray.shutdown()
+
+    table = summarize(runs, modes)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "commit": git_commit(HERE),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "reps": args.reps,
+            "input_len": args.input_len,
+            "num_prompts": args.num_prompts,
+            "order": "interleaved: per rep every mode in turn, rotated; others paused (SIGSTOP)",
+        }
+        args.json.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=2))
+        plot(table, args.json.with_suffix(".png"))
+        print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+def summarize(runs: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
+    table = []
+    print()
+    print(
+        f"{'mode':8} {'run 1 mean':>11} {'run 2 mean':>11} {'run 2 P90':>10} {'run 2 P99':>10}"
+        f" {'spread':>7} {'pool hits run 2':>16}"
+    )
+    for mode in modes:
+        row: dict[str, Any] = {"mode": mode}
+        for run in (1, 2):
+            sel = [r for r in runs if r["mode"] == mode and r["run"] == run]
+            for k in ("mean_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"):
+                row[f"run{run}_{k}"] = statistics.median(r[k] for r in sel)
+            means = [r["mean_ttft_ms"] for r in sel]
+            row[f"run{run}_spread"] = (max(means) - min(means)) / 2 / statistics.median(means)
+            row[f"run{run}_hits"] = sum(r["pool_hit_blocks"] for r in sel)
+            row[f"run{run}_blocks"] = sum(r["total_blocks"] for r in sel)
+        table.append(row)
+        hits = f"{row['run2_hits']}/{row['run2_blocks']}" if row["run2_blocks"] else "-"
+        print(
+            f"{mode:8} {row['run1_mean_ttft_ms']:11.1f} {row['run2_mean_ttft_ms']:11.1f}"
+            f" {row['run2_p90_ttft_ms']:10.1f} {row['run2_p99_ttft_ms']:10.1f}"
+            f" {row['run2_spread']:6.0%} {hits:>16}"
+        )
+    print("\nTTFT in ms, medians over reps; spread = half the range of run 2's means, relative")
+    return table
+
+
+def plot(table: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(table))
+    for i, run in enumerate((1, 2)):
+        ax.bar(
+            [j + (i - 0.5) * 0.38 for j in x],
+            [r[f"run{run}_mean_ttft_ms"] for r in table],
+            width=0.38,
+            label=f"run {run}" + (" (prefix hits)" if run == 2 else " (cold)"),
+        )
+    ax.set_xticks(list(x), [r["mode"] for r in table])
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_title("vllm bench serve, twice")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

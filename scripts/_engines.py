@@ -96,6 +96,24 @@ class Engine:
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def start(self) -> None:
+        """Wait until the engine is up, run one warm-up request, then pause it."""
+        self.answer()
+        self.call(op="ttft", prompt=list(range(3, 303)))
+        self.call(op="drain")
+        self.pause()
+
+    def turn(self, seed: list[int], probe: list[int]) -> dict[str, Any]:
+        """One rep: resumed, ``seed`` computes (and stores) the prefix, its saves drain,
+        ``probe`` (same prefix) is timed, its saves drain, paused again."""
+        self.resume()
+        self.call(op="ttft", prompt=seed)
+        self.call(op="drain")
+        answer = self.call(op="ttft", prompt=probe)
+        self.call(op="drain")  # nothing in flight while paused
+        self.pause()
+        return answer
+
     def request_lines(self) -> list[dict[str, int]]:
         """The connector's per-request lines (hit and load counts) so far."""
         lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
@@ -113,12 +131,58 @@ class Engine:
         self._log.close()
 
 
+def start_bench_pool(
+    segment: str = "4GB", local_buffer: str = "256MB", master: dict[str, Any] | None = None
+) -> tuple[Any, str]:
+    """A local loopback Ray and a kvray pool ``bench`` (embedded master, one client per
+    node); returns the pool and the Ray address engines join."""
+    import ray
+
+    from kvray import Pool, PoolConfig
+    from kvray.ray_env import ray_init
+
+    print("== starting Ray (loopback) and a kvray pool with its embedded master", file=sys.stderr)
+    ray_init("local", num_cpus=4)
+    spec: dict[str, Any] = {
+        "name": "bench",
+        "world_size": 1,
+        "detached": False,
+        "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
+    }
+    if master is not None:
+        spec["master"] = master
+    pool = Pool.start(PoolConfig.from_dict(spec, environ={}))
+    return pool, ray.get_runtime_context().gcs_address
+
+
+def engine_env(tmp: Path, ray_address: str | None, kv_cache_gb: int = 1) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+    }
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    return env
+
+
 def kvray_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
+    }
+
+
+def run_meta(**extra: Any) -> dict[str, Any]:
+    """What a benchmark's JSON records of the run: commit, machine, then ``extra``."""
+    import platform
+
+    return {
+        "commit": git_commit(Path(__file__).resolve().parent),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        **extra,
     }
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _engines import Engine, git_commit, kvray_transfer_config  # noqa: E402
+from _engines import (  # noqa: E402
+    Engine,
+    engine_env,
+    kvray_transfer_config,
+    run_meta,
+    start_bench_pool,
+)
 
 BLOCK = 128
 CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
@@ -89,32 +94,13 @@ def main() -> int:
     import numpy as np
     import ray
 
-    from kvray import Pool, PoolConfig
-    from kvray.ray_env import ray_init
     from kvray.tiny_model import build_prefill_bound_llama
 
     log(f"== building the model in {args.model_dir}")
     model = str(build_prefill_bound_llama(args.model_dir))
-    log("== starting Ray (loopback) and a kvray pool with its embedded master")
-    ray_init("local", num_cpus=4)
-    pool = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "bench",
-                "world_size": 1,
-                "detached": False,
-                "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "256MB"},
-            },
-            environ={},
-        )
-    )
+    pool, ray_address = start_bench_pool()
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = engine_env(tmp, ray_address)
     engines: dict[str, Engine] = {}
     reps: dict[tuple[str, int, float], list[float]] = {}
     measured = {name: 0 for name in configs}
@@ -124,12 +110,7 @@ def main() -> int:
             engines[name] = Engine(
                 name, engine_spec(name, model, max(lengths) + 16, args.groups), env, tmp
             )
-            engines[name].answer()
-        warm = np.random.default_rng(99).integers(3, 1000, 300).tolist()
-        for e in engines.values():
-            e.call(op="ttft", prompt=warm)
-            e.call(op="drain")
-            e.pause()
+            engines[name].start()
         total = len(lengths) * len(rates) * args.reps
         done = 0
         for length in lengths:
@@ -142,13 +123,7 @@ def main() -> int:
                     probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
                     k = rep % len(configs)
                     for name in configs[k:] + configs[:k]:  # rotated per rep
-                        e = engines[name]
-                        e.resume()
-                        e.call(op="ttft", prompt=seed)
-                        e.call(op="drain")
-                        ttft = e.call(op="ttft", prompt=probe)["ttft_s"]
-                        e.call(op="drain")  # nothing in flight while paused
-                        e.pause()
+                        ttft = engines[name].turn(seed, probe)["ttft_s"]
                         reps.setdefault((name, length, rate), []).append(ttft)
                         measured[name] += 1
                     done += 1
@@ -174,15 +149,13 @@ def main() -> int:
     print_table(rows, configs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "commit": git_commit(HERE),
-            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "reps": args.reps,
-            "layerwise_groups": args.groups,
-            "order": "interleaved: per rep every config in turn, order rotated per rep; "
+        meta = run_meta(
+            reps=args.reps,
+            layerwise_groups=args.groups,
+            order="interleaved: per rep every config in turn, order rotated per rep; "
             "engines not in turn paused (SIGSTOP)",
-            "load_checks": checks,
-        }
+            load_checks=checks,
+        )
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0

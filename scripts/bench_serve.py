@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import socket
@@ -45,7 +44,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _engines import git_commit, kvray_transfer_config  # noqa: E402
+from _engines import engine_env, kvray_transfer_config, run_meta, start_bench_pool  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 
@@ -186,10 +185,8 @@ def main() -> int:
 
     import ray
 
-    from kvray import Pool, PoolConfig
     from kvray.config import MooncakeMasterConfig
     from kvray.master import MooncakeMaster
-    from kvray.ray_env import ray_init
     from kvray.tiny_model import build_tiny_llama
 
     log(f"== building a small GQA Llama in {args.model_dir}")
@@ -201,32 +198,16 @@ def main() -> int:
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     master_settings = MooncakeMasterConfig()
-    env = {
-        **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-    }
+    env = engine_env(tmp, None, kv_cache_gb=2)
     pool = None
     peer_master = None
     servers: dict[str, Server] = {}
     runs: list[dict[str, Any]] = []
     try:
         if {"kvray", "staged"} & set(modes):
-            log("== starting Ray (loopback) and a kvray pool with its embedded master")
-            ray_init("local", num_cpus=4)
-            pool = Pool.start(
-                PoolConfig.from_dict(
-                    {
-                        "name": "bench",
-                        "world_size": 1,
-                        "detached": False,
-                        "master": master_settings.model_dump(),
-                        "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "512MB"},
-                    },
-                    environ={},
-                )
+            pool, env["RAY_ADDRESS"] = start_bench_pool(
+                local_buffer="512MB", master=master_settings.model_dump()
             )
-            env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         if "peer" in modes:
             peer_master = MooncakeMaster(master_settings, tmp / "peer-master")
             cfg = {
@@ -289,14 +270,12 @@ def main() -> int:
     table = summarize(runs, modes)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "commit": git_commit(HERE),
-            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "reps": args.reps,
-            "input_len": args.input_len,
-            "num_prompts": args.num_prompts,
-            "order": "interleaved: per rep every mode in turn, rotated; others paused (SIGSTOP)",
-        }
+        meta = run_meta(
+            reps=args.reps,
+            input_len=args.input_len,
+            num_prompts=args.num_prompts,
+            order="interleaved: per rep every mode in turn, rotated; others paused (SIGSTOP)",
+        )
         args.json.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=2))
         plot(table, args.json.with_suffix(".png"))
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _engines import Engine, git_commit, kvray_transfer_config  # noqa: E402
+from _engines import (  # noqa: E402
+    Engine,
+    engine_env,
+    kvray_transfer_config,
+    run_meta,
+    start_bench_pool,
+)
 
 BLOCK = 128
 PARTS = ("to_lookup", "lookup", "to_step", "load", "forward", "after_step", "to_caller")
@@ -88,32 +93,13 @@ def main() -> int:
     import numpy as np
     import ray
 
-    from kvray import Pool, PoolConfig
-    from kvray.ray_env import ray_init
     from kvray.tiny_model import build_prefill_bound_llama
 
     log(f"== building the model in {args.model_dir}")
     model = str(build_prefill_bound_llama(args.model_dir))
-    log("== starting Ray (loopback) and a kvray pool with its embedded master")
-    ray_init("local", num_cpus=4)
-    pool = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "bench",
-                "world_size": 1,
-                "detached": False,
-                "mooncake": {"global_segment_size": "4GB", "local_buffer_size": "256MB"},
-            },
-            environ={},
-        )
-    )
+    pool, ray_address = start_bench_pool()
     tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}
     specs = {
         "local": {**base, "prefix_caching": True},
@@ -136,10 +122,7 @@ def main() -> int:
         for name, spec in specs.items():
             log(f"== starting engine {name}")
             engines[name] = Engine(name, spec, env, tmp)
-            engines[name].answer()
-            engines[name].call(op="ttft", prompt=list(range(3, 303)))  # warm-up
-            engines[name].call(op="drain")
-            engines[name].pause()
+            engines[name].start()
         total, done = len(lengths) * len(rates) * args.reps, 0
         for length in lengths:
             for rate in rates:
@@ -152,13 +135,7 @@ def main() -> int:
                     probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
                     order = ["local", "kvray"] if rep % 2 == 0 else ["kvray", "local"]
                     for name in order:
-                        e = engines[name]
-                        e.resume()
-                        e.call(op="ttft", prompt=seed)
-                        e.call(op="drain")
-                        ans = e.call(op="ttft", prompt=probe)
-                        e.call(op="drain")
-                        e.pause()
+                        ans = engines[name].turn(seed, probe)
                         ttft_ms = ans["ttft_s"] * 1e3
                         if name == "local":
                             got["local"].append(ttft_ms)
@@ -214,13 +191,11 @@ def main() -> int:
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "commit": git_commit(HERE),
-            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "reps": args.reps,
-            "placement": args.placement,
-            "order": "interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
-        }
+        meta = run_meta(
+            reps=args.reps,
+            placement=args.placement,
+            order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
+        )
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -225,9 +225,11 @@ def main() -> int:
 
     timelines = _Timelines()
     if spec.get("timeline"):
-        kvray_logger = logging.getLogger("kvray")
-        kvray_logger.addHandler(timelines)
-        kvray_logger.setLevel(logging.DEBUG)
+        # On the scheduler module's logger: "kvray" itself must stay without handlers
+        # of its own, so that the connector routes it through vLLM's.
+        scheduler_logger = logging.getLogger("kvray.connector.scheduler")
+        scheduler_logger.addHandler(timelines)
+        scheduler_logger.setLevel(logging.DEBUG)
 
     kwargs: dict[str, Any] = {"enable_prefix_caching": bool(spec.get("prefix_caching"))}
     if spec.get("kv_transfer_config"):

@@ -75,9 +75,11 @@ def _collect_timelines(into: list[dict]) -> None:
             if timeline is not None:
                 into.append(timeline)
 
-    kvray_logger = logging.getLogger("kvray")
-    kvray_logger.addHandler(Collect(logging.DEBUG))
-    kvray_logger.setLevel(logging.DEBUG)
+    # On the scheduler module's logger: the "kvray" logger itself must stay without
+    # handlers of its own, so that the connector routes it through vLLM's.
+    scheduler_logger = logging.getLogger("kvray.connector.scheduler")
+    scheduler_logger.addHandler(Collect(logging.DEBUG))
+    scheduler_logger.setLevel(logging.DEBUG)
 
 
 def _skip_layer_hooks() -> None:

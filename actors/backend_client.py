@@ -15,6 +15,7 @@ from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.launcher import on_this_node
 from kvray.rank_store import RankStore
+from kvray.shm import RegionSpec
 from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,13 @@ class BackendClientActor:
             KeyStatus.OK if KeyStatus.OK in (d, s) else d
             for d, s in zip(statuses, lower, strict=True)
         ]
+
+    async def map_region(self, spec: RegionSpec) -> None:
+        """Map (and register) a region before its first transfer: an engine calls this
+        as it registers its KV cache, so mapping a large cache is paid at startup."""
+        await self._store.ensure_region(spec)
+        if self._ssd is not None:
+            await self._ssd.map_region.remote(spec)
 
     async def release_region(self, region_id: str) -> None:
         await self._store.release_region(region_id)

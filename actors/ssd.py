@@ -13,6 +13,7 @@ from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.rank_store import RankStore
+from kvray.shm import RegionSpec
 from kvray.transfer import TransferBatch
 
 
@@ -38,6 +39,9 @@ class SsdOffloadActor:
 
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         return await self._store.remove(keys, force=force)
+
+    async def map_region(self, spec: RegionSpec) -> None:
+        await self._store.ensure_region(spec)
 
     async def release_region(self, region_id: str) -> None:
         await self._store.release_region(region_id)

@@ -92,7 +92,11 @@ class SharedRegion:
         return cls(spec, array, owner_fd=fd)
 
     @classmethod
-    def attach(cls, spec: RegionSpec) -> SharedRegion:
+    def attach(cls, spec: RegionSpec, *, populate: bool = False) -> SharedRegion:
+        """Map the region ``spec`` names. ``populate`` maps every page now
+        (``MAP_POPULATE``, ~0.1 s per GiB): a page first touched by this process later
+        costs a fault in the middle of a transfer (measured: a 14 MiB copy into pages
+        new to the process took 7.6 ms, 1.5 ms once mapped)."""
         if spec.node != node_identity():
             raise RegionError(
                 f"region {spec.region_id} was created on another node than this process's: "
@@ -122,7 +126,8 @@ class SharedRegion:
                     f"region {spec.region_id} is {st.st_size} bytes, descriptor says {spec.size}"
                 )
             # mmap keeps its own duplicate of the descriptor for as long as it is mapped.
-            array = np.frombuffer(mmap.mmap(fd, spec.size), dtype=np.uint8)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            array = np.frombuffer(mmap.mmap(fd, spec.size, flags=flags), dtype=np.uint8)
         finally:
             os.close(fd)
         return cls(spec, array)

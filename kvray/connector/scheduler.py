@@ -125,6 +125,9 @@ class KVRayScheduler:
         self._step = 0
         self._first_token_steps: dict[int, list[str]] = {}
         """Step -> requests whose first token that step computes."""
+        self._parked: dict[str, RequestClock] = {}
+        """Finished requests whose first-token step's times are still to come (a request
+        finishes, in vLLM's output handling, before that step's connector output)."""
         self.stats = KVRayConnectorStats()
         self._warned: set[str] = set()
         self._pd_wait_s = info.config.pd_wait_ms / 1e3
@@ -340,7 +343,8 @@ class KVRayScheduler:
             st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
         self._step += 1
         for step in [s for s in self._first_token_steps if s < self._step - 1000]:
-            del self._first_token_steps[step]  # outputs that never came with step times
+            for rid in self._first_token_steps.pop(step):  # no step times ever came
+                self._log_parked(rid)
         self._stamp_first_token_step(scheduled)
         saves = self._plan_saves(scheduled) if self.info.can_save else []
         for rid in scheduler_output.preempted_req_ids or ():
@@ -372,13 +376,19 @@ class KVRayScheduler:
         """A step's output is back: the first tokens it computed are out."""
         for step in [s for s in self._first_token_steps if s <= times.step]:
             for rid in self._first_token_steps.pop(step):
-                clock = self._clocks.get(rid)
+                clock = self._clocks.get(rid) or self._parked.get(rid)
                 if clock is None:
                     continue
                 tl = clock.timeline
                 tl.first_token_ms = clock.now_ms()
                 if step == times.step:
                     tl.load_wait_ms, tl.forward_ms = times.load_wait_ms, times.forward_ms
+                self._log_parked(rid)
+
+    def _log_parked(self, rid: str) -> None:
+        clock = self._parked.pop(rid, None)
+        if clock is not None:
+            self._log_timeline(rid, clock)
 
     def _plan_saves(self, scheduled: dict[str, int]) -> list[BlockOp]:
         """Prompt blocks completed by this step and not yet in the pool."""
@@ -430,7 +440,12 @@ class KVRayScheduler:
         st = self._reqs.pop(rid, None)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:
-            self._log_timeline(rid, clock, st)
+            tl = clock.timeline
+            tl.hit_pool, tl.loaded, _ = st.totals()
+            if clock.first_step is not None and tl.first_token_ms is None:
+                self._parked[rid] = clock  # logged once its first-token step's times came
+            else:
+                self._log_timeline(rid, clock)
         if st is None:
             self._release_blocks(rid, block_ids)
             return False, None
@@ -476,9 +491,8 @@ class KVRayScheduler:
         self._errored.clear()
 
     @staticmethod
-    def _log_timeline(rid: str, clock: RequestClock, st: _Request) -> None:
+    def _log_timeline(rid: str, clock: RequestClock) -> None:
         tl = clock.timeline
-        tl.hit_pool, tl.loaded, _ = st.totals()
         if not logger.isEnabledFor(logging.DEBUG):
             return
 

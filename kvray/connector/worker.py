@@ -212,6 +212,8 @@ class KVRayWorker:
             placement = "staged"
         self._claim_geometry(kv_caches)
         self._split_blocks(list(kv_caches))
+        # The client maps (every page of) the region now, not in the first transfer.
+        ray.get(self._actor.map_region.remote(self._region_spec), timeout=600)
         logger.info(
             "KVRayConnector worker rank %d: %d layers, %d bytes per block, %s placement, region %s",
             self.rank,

@@ -15,6 +15,7 @@ from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.launcher import on_this_node
 from kvray.rank_store import RankStore
+from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
 from kvray.transfer import TransferBatch
 
@@ -29,6 +30,7 @@ class BackendClientActor:
 
     def __init__(self, config_json: str, rank: int, server_address: str, ssd: Any = None) -> None:
         logging.basicConfig(level=logging.INFO)
+        normal_priority("BackendClient actor")
         config = on_this_node(PoolConfig.model_validate_json(config_json))
         self._store = RankStore(make_backend(config, server_address), rank)
         self._node_id = ray.get_runtime_context().get_node_id()

@@ -16,11 +16,13 @@ from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import on_this_node
 from kvray.lookup import LookupService
 from kvray.naming import ssd_name
+from kvray.ray_env import normal_priority
 
 
 class LookupActor:
     def __init__(self, config_json: str, server_address: str) -> None:
         logging.basicConfig(level=logging.INFO)
+        normal_priority("Lookup actor")
         config = on_this_node(PoolConfig.model_validate_json(config_json))
         self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config

@@ -13,6 +13,7 @@ from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.rank_store import RankStore
+from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
 from kvray.transfer import TransferBatch
 
@@ -20,6 +21,7 @@ from kvray.transfer import TransferBatch
 class SsdOffloadActor:
     def __init__(self, config_json: str, rank: int) -> None:
         logging.basicConfig(level=logging.INFO)
+        normal_priority("SSD offload actor")
         config = PoolConfig.model_validate_json(config_json)
         assert config.ssd is not None, "launcher starts SSD actors only with an ssd section"
         self._tier = SsdBackend(config.ssd, rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -38,3 +39,27 @@ def ray_init(
         kwargs.setdefault("_node_ip_address", node_ip)
     kwargs.setdefault("log_to_driver", False)
     ray.init(address=address, namespace=namespace, **kwargs)
+
+
+def normal_priority(role: str) -> None:
+    """Run this Ray worker process (a kvray actor) at niceness 0.
+
+    Ray starts its worker processes at niceness 15 (its ``worker_niceness``), which is
+    right for background tasks but not for actors on the engines' critical path: next to
+    a busy engine at niceness 0 such a process gets a few percent of a core, and a pool
+    hit's load and lookup wait for it. Raising the priority back needs root or an
+    ``RLIMIT_NICE`` that allows it; otherwise this warns once with Ray's own setting.
+    """
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError as exc:
+        logging.getLogger(__name__).warning(
+            "kvray %s runs at Ray's worker niceness %d and may not lower it (%s): loads and "
+            "lookups then wait whenever an engine keeps the CPU busy; start Ray with "
+            "RAY_worker_niceness=0 in its environment (e.g. `RAY_worker_niceness=0 ray start "
+            "...`)",
+            role,
+            os.getpriority(os.PRIO_PROCESS, 0),
+            exc,
+        )

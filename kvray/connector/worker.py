@@ -73,7 +73,7 @@ class _LayerwiseLoad:
     """A step's sync loads in flight, one Ray call per layer group."""
 
     ops: list[BlockOp]
-    n: int
+    block_ids: list[int]
     first: int | None
     refs: list[Any]
     statuses: list[list[KeyStatus]] = field(default_factory=list)
@@ -85,13 +85,17 @@ class _LayerwiseLoad:
     scattered: Any = None
     """Event of the last scatter (device), to wait for before freeing staging."""
 
+    @property
+    def n(self) -> int:
+        return len(self.block_ids)
+
 
 @dataclass
 class _LayerwiseSave:
     """A step's saves, sent group by group as the forward completes their layers."""
 
     ops: list[BlockOp]
-    n: int
+    block_ids: list[int]
     first: int | None
     batches: list[TransferBatch]
     seen: list[set[str]]
@@ -100,6 +104,10 @@ class _LayerwiseSave:
     """Group -> gather event (staged on a device) of groups gathered, not yet sent."""
     refs: dict[int, Any] = field(default_factory=dict)
     """Group -> its put's ref."""
+
+    @property
+    def n(self) -> int:
+        return len(self.block_ids)
 
 
 def _rank() -> tuple[int, int, int]:
@@ -242,10 +250,10 @@ class KVRayWorker:
             )
         self._parts = group_parts(self.rank, self._num_layers, groups, planes)
         self._group_len = [(p.hi - p.lo) // planes for p in self._parts]
-        bounds = [p.lo // planes for p in self._parts]
         self._group_of = {
-            name: next(g for g in reversed(range(groups)) if bounds[g] <= i)
-            for i, name in enumerate(layer_names)
+            name: g
+            for g, p in enumerate(self._parts)
+            for name in layer_names[p.lo // planes : p.hi // planes]
         }
         logger.info(
             "KVRayConnector: layer-wise transfers, %d layer groups of %s layers",
@@ -489,7 +497,8 @@ class KVRayWorker:
     # ---- layer-wise ----------------------------------------------------------------------
 
     def _start_layerwise_load(self, ops: list[BlockOp]) -> None:
-        n = sum(len(op.block_ids) for op in ops)
+        block_ids = [b for op in ops for b in op.block_ids]
+        n = len(block_ids)
         first = None
         if self._stager is not None:
             first = self._reserve(n)
@@ -497,7 +506,7 @@ class KVRayWorker:
                 self._account_loads(ops, [KeyStatus.ERROR] * n)
                 return
         refs = [self._actor.get.remote(b) for b in self._batches(ops, first)]
-        load = _LayerwiseLoad(ops, n, first, refs)
+        load = _LayerwiseLoad(ops, block_ids, first, refs)
         if self._stager is not None:
             # Scatters wait only for what was queued before this step, not for the layers
             # before them: the blocks they fill are not read earlier in the forward.
@@ -531,12 +540,11 @@ class KVRayWorker:
         load.statuses.append(statuses)
         if scatter and load.first is not None and not load.failed_call:
             assert self._stager is not None
-            block_ids = [b for op in load.ops for b in op.block_ids]
             rows = [i for i, st in enumerate(statuses) if st is KeyStatus.OK]
             part = self._parts[g]
             if rows:
                 done = self._stager.scatter(
-                    [block_ids[i] for i in rows],
+                    [load.block_ids[i] for i in rows],
                     load.first,
                     rows,
                     (part.lo, part.hi),
@@ -597,7 +605,8 @@ class KVRayWorker:
         self._send_gathered(save, block=False)
 
     def _start_layerwise_save(self, ops: list[BlockOp]) -> _LayerwiseSave | None:
-        n = sum(len(op.block_ids) for op in ops)
+        block_ids = [b for op in ops for b in op.block_ids]
+        n = len(block_ids)
         first = None
         if self._stager is not None:
             first = self._reserve(n)
@@ -607,7 +616,8 @@ class KVRayWorker:
                 self._meta = replace(self._meta, saves=[]) if self._meta else None
                 return None
         batches = self._batches(ops, first)
-        self._lw_save = _LayerwiseSave(ops, n, first, batches, [set() for _ in self._parts])
+        groups = [set[str]() for _ in self._parts]
+        self._lw_save = _LayerwiseSave(ops, block_ids, first, batches, groups)
         return self._lw_save
 
     def _gather_group(self, save: _LayerwiseSave, g: int) -> None:
@@ -618,9 +628,8 @@ class KVRayWorker:
             return
         assert self._stager is not None
         part = self._parts[g]
-        block_ids = [b for op in save.ops for b in op.block_ids]
         save.gathered[g] = self._stager.gather(
-            block_ids, save.first, (part.lo, part.hi), wait=False
+            save.block_ids, save.first, (part.lo, part.hi), wait=False
         )
 
     def _send_gathered(self, save: _LayerwiseSave, *, block: bool) -> None:
@@ -631,17 +640,9 @@ class KVRayWorker:
             if ev is not None:
                 ev.synchronize()
             del save.gathered[g]
-            self._send_save(save.ops, save.batches[g], counts_blocks=g == 0, ref_of=save.refs, g=g)
+            save.refs[g] = self._send_save(save.ops, save.batches[g], counts_blocks=g == 0)
 
-    def _send_save(
-        self,
-        ops: list[BlockOp],
-        batch: TransferBatch,
-        *,
-        counts_blocks: bool,
-        ref_of: dict[int, Any] | None = None,
-        g: int = 0,
-    ) -> Any:
+    def _send_save(self, ops: list[BlockOp], batch: TransferBatch, *, counts_blocks: bool) -> Any:
         rids = [op.req_id for op in ops]
         ref = self._actor.put.remote(batch)
         # Blocks are counted once (part 0); bytes by each part's columns.
@@ -649,8 +650,6 @@ class KVRayWorker:
         self._save_refs[ref] = (rids, len(batch), counts_blocks, row)
         for rid in rids:
             self._saves_of[rid].add(ref)
-        if ref_of is not None:
-            ref_of[g] = ref
         return ref
 
     def _end_layerwise_save(self) -> None:

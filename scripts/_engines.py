@@ -14,8 +14,10 @@ With ``timeline`` the connector's per-request timelines (DEBUG records of the
 Commands, one JSON object per stdin line; one JSON answer per stdout line (everything
 else the engine prints goes to stderr):
 
-- ``{"op": "ttft", "prompt": [ids]}`` -> ``{"ttft_s": float, "timelines": [...]}``: one
-  request generating one token, alone in the engine;
+- ``{"op": "ttft", "prompt": [ids]}`` -> ``{"ttft_s": float, "cached_tokens": int,
+  "timelines": [...]}``: one request generating one token, alone in the engine;
+  ``cached_tokens`` is vLLM's count of prompt tokens it did not compute (its prefix
+  cache or a connector's load);
 - ``{"op": "drain"}`` -> ``{}``: step until the connector's saves are done;
 - ``{"op": "quit"}``.
 
@@ -103,12 +105,14 @@ class Engine:
         self.call(op="drain")
         self.pause()
 
-    def turn(self, seed: list[int], probe: list[int]) -> dict[str, Any]:
+    def turn(self, seed: list[int] | None, probe: list[int]) -> dict[str, Any]:
         """One rep: resumed, ``seed`` computes (and stores) the prefix, its saves drain,
-        ``probe`` (same prefix) is timed, its saves drain, paused again."""
+        ``probe`` (same prefix) is timed, its saves drain, paused again. Without ``seed``
+        (nothing to seed) only ``probe`` runs."""
         self.resume()
-        self.call(op="ttft", prompt=seed)
-        self.call(op="drain")
+        if seed is not None:
+            self.call(op="ttft", prompt=seed)
+            self.call(op="drain")
         answer = self.call(op="ttft", prompt=probe)
         self.call(op="drain")  # nothing in flight while paused
         self.pause()
@@ -153,6 +157,40 @@ def start_bench_pool(
         spec["master"] = master
     pool = Pool.start(PoolConfig.from_dict(spec, environ={}))
     return pool, ray.get_runtime_context().gcs_address
+
+
+def start_peer_master(
+    tmp: Path, master: dict[str, Any], segment: int, local_buffer: int
+) -> tuple[Any, dict[str, str]]:
+    """A ``mooncake_master`` with ``master`` settings (those of the kvray pool's own
+    master) for vLLM's MooncakeStoreConnector, the peer baseline (embedded mode: the
+    engine's in-process client contributes ``segment`` bytes); returns the master and the
+    environment its engines need."""
+    from kvray.config import MooncakeMasterConfig
+    from kvray.master import MooncakeMaster
+
+    peer_master = MooncakeMaster(MooncakeMasterConfig(**master), tmp / "peer-master")
+    cfg = {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": peer_master.start(),
+        "protocol": "tcp",
+        "global_segment_size": segment,
+        "local_buffer_size": local_buffer,
+        "mode": "embedded",
+    }
+    (tmp / "mooncake.json").write_text(json.dumps(cfg))
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(tmp / "mooncake.json"),
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+    }
+    return peer_master, env
+
+
+PEER_TRANSFER_CONFIG = {
+    "kv_connector": "MooncakeStoreConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {},
+}
 
 
 def engine_env(tmp: Path, ray_address: str | None, kv_cache_gb: int = 1) -> dict[str, str]:
@@ -256,8 +294,16 @@ def main() -> int:
         if op == "ttft":
             timelines.got.clear()
             t0 = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
-            reply({"ttft_s": time.perf_counter() - t0, "timelines": list(timelines.got)})
+            (out,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False
+            )
+            reply(
+                {
+                    "ttft_s": time.perf_counter() - t0,
+                    "cached_tokens": out.num_cached_tokens or 0,
+                    "timelines": list(timelines.got),
+                }
+            )
         elif op == "drain":
             deadline = time.monotonic() + 60
             while (

@@ -44,7 +44,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _engines import engine_env, kvray_transfer_config, run_meta, start_bench_pool  # noqa: E402
+from _engines import (  # noqa: E402
+    PEER_TRANSFER_CONFIG,
+    engine_env,
+    kvray_transfer_config,
+    run_meta,
+    start_bench_pool,
+    start_peer_master,
+)
 
 MODES = ("none", "local", "peer", "kvray")
 
@@ -83,10 +90,7 @@ class Server:
             }
             cmd += ["--kv-transfer-config", json.dumps(kvray_transfer_config(extra))]
         elif mode == "peer":
-            cmd += [
-                "--kv-transfer-config",
-                json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}),
-            ]
+            cmd += ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -186,7 +190,6 @@ def main() -> int:
     import ray
 
     from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
     from kvray.tiny_model import build_tiny_llama
 
     log(f"== building a small GQA Llama in {args.model_dir}")
@@ -209,24 +212,14 @@ def main() -> int:
                 local_buffer="512MB", master=master_settings.model_dump()
             )
         if "peer" in modes:
-            peer_master = MooncakeMaster(master_settings, tmp / "peer-master")
-            cfg = {
-                "metadata_server": "P2PHANDSHAKE",
-                "master_server_address": peer_master.start(),
-                "protocol": "tcp",
-                "global_segment_size": 4 << 30,
-                "local_buffer_size": 512 << 20,
-                "mode": "embedded",
-            }
-            (tmp / "mooncake.json").write_text(json.dumps(cfg))
+            peer_master, peer_env = start_peer_master(
+                tmp, master_settings.model_dump(), segment=4 << 30, local_buffer=512 << 20
+            )
         for mode in modes:  # one at a time: engines start slowly on small machines
             log(f"== starting the {mode} server")
             menv = dict(env)
             if mode == "peer":
-                menv.update(
-                    MOONCAKE_CONFIG_PATH=str(tmp / "mooncake.json"),
-                    MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1",
-                )
+                menv.update(peer_env)
             servers[mode] = Server(mode, model, args.input_len + 64, menv, tmp)
             servers[mode].wait_ready()
             servers[mode].pause()

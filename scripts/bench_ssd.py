@@ -1,19 +1,27 @@
 """SSD benchmark: kvray's SSD tier against raw file I/O of the same bytes on the same disk,
 plus the DRAM-miss -> SSD-hit load path through a kvray pool.
 
-One run measures, in one directory on the disk under test:
+One run measures, in one directory on the disk under test, every path live at once and
+the reps interleaved (each rep runs every path in turn, order rotated: clear, write,
+drop the page cache, read, verify byte-exact; one warm-up rep first):
 
 - ``raw``: one file per block, ``os.write`` to a temp name + rename (as the tier does, so
-  both leave whole files), read back with ``os.preadv`` (the ``dd``-style baseline);
-- ``kvray ssd``: the SSD tier itself (``SsdBackend``, in-process, ``io_threads`` streams:
-  header + crc32 + atomic rename on write, crc32 check on read);
-- ``kvray pipeline load``: ``Pool.get`` of blocks a previous pool stored through a
-  ``mooncake|ssd`` pipeline, in a new pool whose DRAM is empty: every block is a DRAM miss
-  served by the SSD tier (one Ray call, SSD actor reads into the shared region).
+  both leave whole files), read back with ``os.preadv``, one stream (``dd`` style);
+- ``raw xN``: the same on ``N`` threads (``--threads``, the tier's ``io_threads``), the
+  baseline at the tier's own parallelism; ``raw xN fsync``: each file fsynced before its
+  rename (durable writes);
+- ``kvray ssd`` / ``kvray ssd fsync``: the SSD tier itself (``SsdBackend``, in-process,
+  ``io_threads`` streams: header + xxh3 + atomic rename on write, checksum checked on
+  read), without and with its ``fsync`` option;
+- ``kvray pipeline load`` (read only): ``Pool.get`` of blocks a previous pool stored
+  through a ``mooncake|ssd`` pipeline, in a new pool whose DRAM is empty: every block is
+  a DRAM miss served by the SSD tier (one Ray call, SSD actor reads into the shared
+  region).
 
-Before every read repetition the files' pages are dropped from the page cache
-(``fsync`` + ``posix_fadvise(DONTNEED)`` per file, for raw and kvray alike), so reads hit
-the disk, not memory. Medians of ``--reps`` after one warm-up.
+Before every read the files' pages are dropped from the page cache (``fsync`` +
+``posix_fadvise(DONTNEED)`` per file, for every path alike), so reads hit the disk, not
+memory. kvray is compared with the strongest raw path (writes: of the same durability).
+Every rep is in the JSON.
 
     .venv/bin/python scripts/bench_ssd.py --json bench-results/bench_ssd.json
 """
@@ -30,7 +38,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -38,23 +48,18 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _engines import run_meta  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure(name: str, reps: int, setup: Callable[[], object], run: Callable[[], object]) -> float:
-    """Median seconds of ``reps`` runs after one warm-up, each after ``setup``."""
-    times = []
-    for rep in range(reps + 1):
-        setup()
-        t0 = time.perf_counter()
-        run()
-        dt = time.perf_counter() - t0
-        if rep:
-            times.append(dt)
-        log(f"   {name:<22} rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: {dt * 1e3:8.1f} ms")
-    return statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def drop_cache(root: Path) -> None:
@@ -69,85 +74,106 @@ def drop_cache(root: Path) -> None:
                 os.close(fd)
 
 
-def bench_raw(src: np.ndarray, dst: np.ndarray, root: Path, reps: int) -> tuple[float, float]:
-    blocks, block = src.shape
-    root.mkdir()
-    (root / "tmp").mkdir()
+class RawFiles:
+    """The baseline: one file per block, written to a temp name and renamed (optionally
+    fsynced first), read with ``preadv``; on ``threads`` threads, contiguous slices."""
 
-    def clear() -> None:
-        for p in root.glob("*.blk"):
+    def __init__(self, root: Path, threads: int, fsync: bool) -> None:
+        self.root, self.fsync = root, fsync
+        (root / "tmp").mkdir(parents=True)
+        self.io = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        self.threads = threads
+
+    def _split(self, n: int, fn: Callable[[int, int], None]) -> None:
+        if self.io is None:
+            fn(0, n)
+            return
+        bounds = [n * i // self.threads for i in range(self.threads + 1)]
+        for f in [self.io.submit(fn, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
+            f.result()
+
+    def clear(self) -> None:
+        for p in self.root.glob("*.blk"):
             p.unlink()
 
-    def write() -> None:
-        for i in range(blocks):
-            tmp = root / "tmp" / f"{i}.blk"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, memoryview(src[i]))
-            finally:
-                os.close(fd)
-            os.replace(tmp, root / f"{i}.blk")
+    def write(self, src: np.ndarray) -> None:
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                tmp = self.root / "tmp" / f"{i}.blk"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.write(fd, memoryview(src[i]))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.root / f"{i}.blk")
 
-    def read() -> None:
-        for i in range(blocks):
-            fd = os.open(root / f"{i}.blk", os.O_RDONLY)
-            try:
-                assert os.preadv(fd, [memoryview(dst[i])], 0) == block
-            finally:
-                os.close(fd)
+        self._split(len(src), part)
 
-    w = measure("raw write", reps, clear, write)
-    r = measure("raw read", reps, lambda: drop_cache(root), read)
-    assert np.array_equal(src, dst), "raw round trip is not byte-exact"
-    n = src.nbytes
-    return n / w / 1e9, n / r / 1e9
+    def read(self, dst: np.ndarray) -> None:
+        block = dst.shape[1]
+
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                fd = os.open(self.root / f"{i}.blk", os.O_RDONLY)
+                try:
+                    assert os.preadv(fd, [memoryview(dst[i])], 0) == block
+                finally:
+                    os.close(fd)
+
+        self._split(len(dst), part)
+
+    def close(self) -> None:
+        if self.io is not None:
+            self.io.shutdown()
 
 
-def bench_tier(
-    src: np.ndarray, dst: np.ndarray, root: Path, reps: int, threads: int
-) -> tuple[float, float]:
-    from kvray.backends.base import KeyStatus
-    from kvray.backends.ssd import SsdBackend
-    from kvray.config import SsdConfig
+class Tier:
+    """kvray's SSD tier in-process, as the SSD actor runs it."""
 
-    blocks, block = src.shape
-    root.mkdir()
-    cfg = SsdConfig(path=str(root), quota=4 * src.nbytes, io_threads=threads)
-    tier = SsdBackend(cfg, rank=0)
-    keys = [f"bench-{i}" for i in range(blocks)]
-    sp = [[int(src[i].ctypes.data)] for i in range(blocks)]
-    dp = [[int(dst[i].ctypes.data)] for i in range(blocks)]
-    sizes = [[block]] * blocks
-    loop = asyncio.new_event_loop()
+    def __init__(self, root: Path, src: np.ndarray, dst: np.ndarray, threads: int, fsync: bool):
+        from kvray.backends.ssd import SsdBackend
+        from kvray.config import SsdConfig
 
-    def clear() -> None:
-        loop.run_until_complete(tier.remove(keys))
+        blocks, block = src.shape
+        root.mkdir()
+        cfg = SsdConfig(path=str(root), quota=4 * src.nbytes, io_threads=threads, fsync=fsync)
+        self.tier = SsdBackend(cfg, rank=0)
+        self.keys = [f"bench-{i}" for i in range(blocks)]
+        self.sp = [[int(src[i].ctypes.data)] for i in range(blocks)]
+        self.dp = [[int(dst[i].ctypes.data)] for i in range(blocks)]
+        self.sizes = [[block]] * blocks
+        self.loop = asyncio.new_event_loop()
 
-    def write() -> None:
-        got = loop.run_until_complete(tier.put(keys, sp, sizes))
+    def clear(self) -> None:
+        self.loop.run_until_complete(self.tier.remove(self.keys))
+
+    def write(self) -> None:
+        from kvray.backends.base import KeyStatus
+
+        got = self.loop.run_until_complete(self.tier.put(self.keys, self.sp, self.sizes))
         assert set(got) == {KeyStatus.OK}, set(got)
 
-    def read() -> None:
-        got = loop.run_until_complete(tier.get(keys, dp, sizes))
+    def read(self) -> None:
+        from kvray.backends.base import KeyStatus
+
+        got = self.loop.run_until_complete(self.tier.get(self.keys, self.dp, self.sizes))
         assert set(got) == {KeyStatus.OK}, set(got)
 
-    w = measure("kvray ssd write", reps, clear, write)
-    r = measure("kvray ssd read", reps, lambda: drop_cache(root), read)
-    assert np.array_equal(src, dst), "kvray ssd round trip is not byte-exact"
-    loop.run_until_complete(tier.close())
-    loop.close()
-    n = src.nbytes
-    return n / w / 1e9, n / r / 1e9
+    def close(self) -> None:
+        self.loop.run_until_complete(self.tier.close())
+        self.loop.close()
 
 
-def bench_pipeline(payload: np.ndarray, root: Path, reps: int, threads: int) -> float:
-    """Pool.get of blocks that only the SSD tier holds (a fresh pool: DRAM is empty)."""
-    import ray
-
+def start_pipeline(payload: np.ndarray, root: Path, threads: int) -> tuple[Any, Any, list[str]]:
+    """A ``mooncake|ssd`` pool that stored ``payload``, shut down, and a fresh one on the
+    same directory (its DRAM empty: every block is an SSD hit); returns it, its output
+    array and the keys."""
     from kvray import Pool, PoolConfig
     from kvray.ray_env import ray_init
 
-    blocks, block = payload.shape
+    blocks = payload.shape[0]
     root.mkdir()
     ray_init("local", num_cpus=2)
     cfg = PoolConfig.from_dict(
@@ -163,31 +189,17 @@ def bench_pipeline(payload: np.ndarray, root: Path, reps: int, threads: int) -> 
         environ={},
     )
     keys = [f"pipe-{i}" for i in range(blocks)]
-    try:
-        with Pool.start(cfg) as pool:
-            src = pool.empty(payload.shape, np.uint8)
-            src[:] = payload
-            for lo in range(0, blocks, 32):  # the 64 MB DRAM pool takes what fits
-                try:
-                    pool.put(keys[lo : lo + 32], list(src[lo : lo + 32]))
-                except Exception as exc:  # noqa: BLE001 - DRAM full is expected here
-                    log(f"   (DRAM refused part of a batch: {type(exc).__name__}; SSD has it)")
-            pool.shutdown()
-        with Pool.start(cfg) as pool:
-            out = pool.empty(payload.shape, np.uint8)
-            rows = list(out)
-            t = measure(
-                "kvray pipeline load",
-                reps,
-                lambda: drop_cache(root),
-                lambda: pool.get(keys, out=rows),
-            )
-            assert np.array_equal(out, payload), "pipeline load is not byte-exact"
-            assert pool.stats().total.ssd_get_keys >= blocks
-            pool.shutdown()
-    finally:
-        ray.shutdown()
-    return payload.nbytes / t / 1e9
+    with Pool.start(cfg) as pool:
+        src = pool.empty(payload.shape, np.uint8)
+        src[:] = payload
+        for lo in range(0, blocks, 32):  # the 64 MB DRAM pool takes what fits
+            try:
+                pool.put(keys[lo : lo + 32], list(src[lo : lo + 32]))
+            except Exception as exc:  # noqa: BLE001 - DRAM full is expected here
+                log(f"   (DRAM refused part of a batch: {type(exc).__name__}; SSD has it)")
+        pool.shutdown()
+    pool = Pool.start(cfg)
+    return pool, pool.empty(payload.shape, np.uint8), keys
 
 
 def main() -> int:
@@ -201,52 +213,129 @@ def main() -> int:
     args = parser.parse_args()
     if args.reps < 3:
         parser.error("--reps must be >= 3 (medians of fewer are noise)")
-    blocks, block = args.blocks, args.block_kib << 10
+    import ray
+
+    blocks, block, n = args.blocks, args.block_kib << 10, args.threads
     payload = np.random.default_rng(0).integers(0, 256, (blocks, block), dtype=np.uint8)
+    dst = np.zeros_like(payload)
     work = Path(tempfile.mkdtemp(prefix="kvray-bench-ssd-", dir=args.dir))
-    log(f"== {blocks} blocks x {args.block_kib} KiB = {payload.nbytes >> 20} MiB in {work}")
-    try:
-        log("== raw file I/O (one file per block, write + rename, preadv)")
-        raw_w, raw_r = bench_raw(payload, np.zeros_like(payload), work / "raw", args.reps)
-        log(f"== kvray SSD tier ({args.threads} streams)")
-        ssd_w, ssd_r = bench_tier(
-            payload, np.zeros_like(payload), work / "tier", args.reps, args.threads
-        )
-        log("== kvray mooncake|ssd pipeline: DRAM miss -> SSD hit through Pool.get")
-        pipe = bench_pipeline(payload, work / "pipeline", args.reps, args.threads)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    results = {
-        "gbps": {
-            "kvray_ssd_write": ssd_w,
-            "kvray_ssd_read": ssd_r,
-            "raw_write": raw_w,
-            "raw_read": raw_r,
-            "kvray_pipeline_ssd_load": pipe,
-        },
-        "params": {
-            "blocks": blocks,
-            "block_bytes": block,
-            "reps": args.reps,
-            "threads": args.threads,
-            "dir": args.dir,
-            "cpus": os.cpu_count(),
-        },
-    }
-    print()
-    print(f"{'path':<30}{'write GB/s':>11}{'read GB/s':>11}{'w/raw':>7}{'r/raw':>7}")
-    print(f"{'raw file I/O (baseline)':<30}{raw_w:>11.2f}{raw_r:>11.2f}{1:>7.2f}{1:>7.2f}")
-    print(
-        f"{'kvray SSD tier':<30}{ssd_w:>11.2f}{ssd_r:>11.2f}"
-        f"{ssd_w / raw_w:>7.2f}{ssd_r / raw_r:>7.2f}"
+    log(
+        f"== {blocks} blocks x {args.block_kib} KiB = {payload.nbytes >> 20} MiB in {work}; "
+        f"{args.reps} reps (+1 warm-up), every path in turn per rep, order rotated"
     )
-    print(f"{'kvray pipeline, DRAM miss':<30}{'':>11}{pipe:>11.2f}{'':>7}{pipe / raw_r:>7.2f}")
+    raws = {
+        "raw": RawFiles(work / "raw1", 1, fsync=False),
+        f"raw x{n}": RawFiles(work / "rawn", n, fsync=False),
+        f"raw x{n} fsync": RawFiles(work / "rawnf", n, fsync=True),
+    }
+    tiers = {
+        "kvray ssd": Tier(work / "tier", payload, dst, n, fsync=False),
+        "kvray ssd fsync": Tier(work / "tierf", payload, dst, n, fsync=True),
+    }
+    pool = None
+    try:
+        log("== kvray mooncake|ssd pipeline: storing, then a fresh pool (DRAM empty)")
+        pool, out, keys = start_pipeline(payload, work / "pipeline", n)
+        rows = list(out)
+
+        # name -> (directory, clear, write or None, read, destination)
+        paths: dict[str, tuple[Any, ...]] = {}
+        for name, r in raws.items():
+            paths[name] = (
+                r.root,
+                r.clear,
+                lambda r=r: r.write(payload),
+                lambda r=r: r.read(dst),
+                dst,
+            )
+        for name, t in tiers.items():
+            paths[name] = (t.tier.root, t.clear, t.write, t.read, dst)
+        paths["kvray pipeline load"] = (
+            work / "pipeline",
+            lambda: None,
+            None,
+            lambda: pool.get(keys, out=rows),
+            out,
+        )
+        names = list(paths)
+        times: dict[str, dict[str, list[float]]] = {x: {"write": [], "read": []} for x in names}
+        for rep in range(args.reps + 1):
+            k = rep % len(names)
+            line = []
+            for name in names[k:] + names[:k]:
+                root, clear, write, read, into = paths[name]
+                clear()
+                tw = timed(write) if write is not None else None
+                drop_cache(root)
+                into.fill(0)
+                tr = timed(read)
+                if not np.array_equal(into, payload):
+                    raise RuntimeError(f"{name}: round trip is not byte-exact (rep {rep})")
+                if rep:
+                    if tw is not None:
+                        times[name]["write"].append(tw)
+                    times[name]["read"].append(tr)
+                line.append(f"{name} {'-' if tw is None else f'{tw * 1e3:.0f}'}/{tr * 1e3:.0f}")
+            label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
+            log(f"   {label} (write/read ms): " + ", ".join(line))
+        ssd_gets = pool.stats().total.ssd_get_keys
+        if ssd_gets < blocks * (args.reps + 1):
+            raise RuntimeError(
+                f"pipeline load: the SSD tier served {ssd_gets} keys, expected "
+                f">= {blocks * (args.reps + 1)}: the loads did not come from SSD"
+            )
+    finally:
+        for x in (*raws.values(), *tiers.values()):
+            x.close()
+        if pool is not None:
+            pool.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    nbytes = payload.nbytes
+    gbps = {
+        x: {op: nbytes / statistics.median(t[op]) / 1e9 for op in ("write", "read") if t[op]}
+        for x, t in times.items()
+    }
+
+    def vs(name: str, op: str) -> str:
+        if op not in gbps[name]:
+            return ""
+        durable = "fsync" in name
+        base = [x for x in names if x.startswith("raw") and ("fsync" in x) == durable]
+        if op == "read":
+            base = [x for x in names if x.startswith("raw")]
+        return f"{gbps[name][op] / max(gbps[x][op] for x in base):.2f}"
+
+    print()
+    print(f"{'path':<22}{'write GB/s':>13}{'read GB/s':>13}{'w/raw':>7}{'r/raw':>7}")
+    for x in names:
+        cells = []
+        for op in ("write", "read"):
+            t = times[x][op]
+            if not t:
+                cells.append("")
+                continue
+            half = (max(t) - min(t)) / statistics.median(t) / 2
+            cells.append(f"{gbps[x][op]:>7.2f} ±{half:3.0%}")
+        rel = f"{vs(x, 'write'):>7}{vs(x, 'read'):>7}" if x.startswith("kvray") else ""
+        print(f"{x:<22}{cells[0]:>13}{cells[1]:>13}{rel}")
     print(
-        f"\ntarget >= 0.7x raw: write {ssd_w / raw_w:.2f}x, read {ssd_r / raw_r:.2f}x; "
-        f"pipeline load {pipe / raw_r:.2f}x raw read"
+        f"\nmedians of {args.reps}, ± half the range of the reps; vs raw = against the "
+        "strongest raw path (writes: of the same durability, fsync or not)"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        results = {
+            "meta": run_meta(
+                order="per rep every path in turn (clear, write, drop cache, read, verify), "
+                "order rotated",
+                reps=args.reps,
+            ),
+            "gbps": gbps,
+            "reps_s": times,
+            "params": {"blocks": blocks, "block_bytes": block, "threads": n, "dir": args.dir},
+        }
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -1,21 +1,29 @@
 """Store benchmark: kvray's data plane against the backend's raw client API and memcpy.
 
 One run measures, on the same machine and bytes, for ``--backend mooncake`` (default)
-or ``--backend yuanrong``:
+or ``--backend yuanrong``, every path live at once and the reps interleaved (each rep
+runs every path in turn: clear, put, get, verify byte-exact; the order rotated per rep;
+one warm-up rep first, since the first pass over fresh memory faults its pages in):
 
-- ``memcpy``: numpy copy of the whole payload (the ceiling of any host-memory path);
-- ``raw``: the backend's own zero-copy batch calls from an in-process client against its
-  own server (the baseline): Mooncake ``batch_put_from`` / ``batch_get_into`` against a
-  ``mooncake_master``; datasystem ``mcreate`` + copy + ``mset_buffer`` / ``get_buffers``
-  + copy against a ``datasystem_worker``;
-- ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region
-  (what the vLLM connector does: one Ray call per batch, bytes moved by the rank's
-  BackendClient actor, nothing through Ray's object store);
+- ``memcpy`` / ``memcpy xN``: numpy copy of the payload, one thread / ``N`` threads;
+- ``raw`` / ``raw xN``: the backend's own zero-copy batch calls from an in-process client
+  against its own server (the baseline): Mooncake ``batch_put_from`` /
+  ``batch_get_into`` against a ``mooncake_master``; datasystem ``mcreate`` + copy +
+  ``mset_buffer`` / ``get_buffers`` + copy against a ``datasystem_worker``. ``xN``: the
+  batch split in ``N`` native calls on ``N`` threads, the parallelism kvray itself uses
+  (``--io-threads``, its ``io_threads``);
+- ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region (one
+  Ray call per batch, bytes moved by the rank's BackendClient actor, nothing through
+  Ray's object store);
 - ``kvray staged``: the same for ordinary arrays, copied through the staging window;
-- prefix lookup latency of ``blocks`` hashes through the Lookup actor.
+- ``raw multi`` / ``raw multi xN`` / ``kvray multi``: the same bytes with each block in
+  ``2 x --layers`` pieces laid out as vLLM's per-layer KV tensors hold them, the
+  connector's real transfers (``kvray multi`` sends the very ``TransferBatch`` the
+  connector's worker sends to the rank's actor; raw: the multi-buffer batch calls);
+- prefix lookup latency of ``blocks`` hashes through the Lookup actor, next to the Ray
+  call floor and the same exists query in-process.
 
-Each figure is the median of ``--reps`` repetitions after one warm-up (the first pass
-over fresh shared memory faults its pages in and is several times slower).
+kvray is compared with the stronger raw path of the same shape. Every rep is in the JSON.
 
 ``--cross-node`` measures gets whose blocks live on another node instead: on two Ray
 nodes of this machine that share no /dev/shm (``kvray.testing.multinode``, needs root),
@@ -33,6 +41,7 @@ baseline) fetch them, reps interleaved, every rep recorded.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -40,7 +49,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -49,6 +60,9 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _engines import run_meta  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -61,25 +75,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(
-    name: str, reps: int, setup: Callable[[], object], run: Callable[[], object]
-) -> list[float]:
-    """Warm-up once, then ``reps`` timed runs, each after ``setup``."""
-    times = []
-    for rep in range(reps + 1):
-        setup()
-        dt = timed(run)
-        if rep:
-            times.append(dt)
-        log(f"   {name:<18} rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: {dt * 1e3:8.1f} ms")
-    return times
-
-
-def bench_memcpy(src: np.ndarray, dst: np.ndarray, reps: int) -> float:
-    times = measure("memcpy", reps, lambda: None, lambda: np.copyto(dst, src))
-    return src.nbytes / statistics.median(times) / 1e9
-
-
 def lookup_space() -> KeySpace:
     return KeySpace("bench", KVLayout("float16", 16, 8, 128).tag())
 
@@ -88,110 +83,136 @@ def lookup_hashes(blocks: int) -> list[bytes]:
     return list(chain_block_hashes(list(range(blocks * 16)), 16))
 
 
-def bench_raw_yuanrong(
-    src: np.ndarray,
-    dst: np.ndarray,
-    blocks: int,
-    block: int,
-    segment: int,
-    reps: int,
-) -> tuple[float, float]:
-    import ctypes
+def piece_layout(blocks: int, block: int, pieces: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths, shape (blocks, pieces), of each block's pieces in a buffer of
+    ``blocks * block`` bytes. One piece: blocks back to back. More: as vLLM's per-layer KV
+    tensors lay a block out (the connector's multi-buffer transfers): piece j of every
+    block (layer j // 2, K or V) lives in plane j, the planes one after another."""
+    piece = block // pieces
+    offsets = (
+        np.arange(pieces, dtype=np.int64)[None, :] * (blocks * piece)
+        + np.arange(blocks, dtype=np.int64)[:, None] * piece
+    )
+    return offsets, np.full((blocks, pieces), piece, dtype=np.int64)
 
-    from kvray.backends.yuanrong import import_datasystem
-    from kvray.config import DatasystemWorkerConfig
-    from kvray.datasystem import DatasystemWorker
 
-    ds = import_datasystem()
-    worker = DatasystemWorker(DatasystemWorkerConfig(shared_memory_size=segment), name="bench")
-    worker.start()
-    try:
-        host, port = worker.address.rsplit(":", 1)
-        client = ds.KVClient(
+def split_run(
+    pool: ThreadPoolExecutor | None, parts: int, n: int, fn: Callable[[int, int], object]
+) -> None:
+    """``fn(lo, hi)`` over ``n`` items: one call, or ``parts`` calls on contiguous slices
+    run by ``pool``'s threads, as kvray's adapters split a large batch over
+    ``io_threads`` (the native calls release the GIL)."""
+    if pool is None or parts <= 1:
+        fn(0, n)
+        return
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [pool.submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    for f in futures:
+        f.result()
+
+
+class RawMooncake:
+    """The baseline: an in-process Mooncake client on its own ``mooncake_master`` (the
+    master's settings are kvray's defaults), the zero-copy batch calls, blocks preferred
+    in the client's own segment as kvray places them."""
+
+    name = "mooncake"
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, segment: int, logs: str) -> None:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        from kvray.config import MooncakeMasterConfig
+        from kvray.master import MooncakeMaster
+
+        self.master = MooncakeMaster(MooncakeMasterConfig(), logs)
+        self.master.start()
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", segment, 64 << 20, "tcp", "", self.master.address
+        )
+        assert rc == 0, f"raw mooncake setup failed: {rc}"
+        self.store.register_buffer(src.ctypes.data, src.nbytes)
+        self.store.register_buffer(dst.ctypes.data, dst.nbytes)
+        self.cfg = ReplicateConfig()
+        self.cfg.preferred_segments = [self.store.get_hostname()]
+        self.src, self.dst = src.ctypes.data, dst.ctypes.data
+
+    def put(self, keys: list[str], offs: np.ndarray, lens: np.ndarray, lo: int, hi: int) -> None:
+        k, o, n = keys[lo:hi], (offs[lo:hi] + self.src).tolist(), lens[lo:hi].tolist()
+        if offs.shape[1] == 1:
+            rcs = self.store.batch_put_from(k, [x[0] for x in o], [x[0] for x in n], self.cfg)
+        else:
+            rcs = self.store.batch_put_from_multi_buffers(k, o, n, self.cfg)
+        assert all(r == 0 for r in rcs), f"raw put failed: {set(rcs)}"
+
+    def get(self, keys: list[str], offs: np.ndarray, lens: np.ndarray, lo: int, hi: int) -> None:
+        k, o, n = keys[lo:hi], (offs[lo:hi] + self.dst).tolist(), lens[lo:hi].tolist()
+        if offs.shape[1] == 1:
+            got = self.store.batch_get_into(k, [x[0] for x in o], [x[0] for x in n])
+        else:
+            got = self.store.batch_get_into_multi_buffers(k, o, n)
+        assert all(g == sum(x) for g, x in zip(got, n, strict=True)), f"raw get: {set(got)}"
+
+    def clear(self, keys: list[str]) -> None:
+        self.store.batch_remove(keys, True)
+
+    def close(self) -> None:
+        self.store.close()
+        self.master.stop()
+
+
+class RawYuanrong:
+    """The baseline: an in-process datasystem ``KVClient`` on its own
+    ``datasystem_worker``: ``mcreate`` + copy of the pieces + ``mset_buffer``,
+    ``get_buffers`` + copy, 1000 keys per native call (the SDK's limit is 2000)."""
+
+    name = "yuanrong"
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, segment: int, logs: str) -> None:
+        from kvray.backends.yuanrong import import_datasystem
+        from kvray.config import DatasystemWorkerConfig
+        from kvray.datasystem import DatasystemWorker
+
+        ds = import_datasystem()
+        self.worker = DatasystemWorker(
+            DatasystemWorkerConfig(shared_memory_size=segment), name="bench-raw"
+        )
+        self.worker.start()
+        host, port = self.worker.address.rsplit(":", 1)
+        self.client = ds.KVClient(
             host, int(port), connect_timeout_ms=5000, enable_exclusive_connection=True
         )
-        client.init()
-        mode = ds.WriteMode.NONE_L2_CACHE_EVICT  # as kvray writes by default
-        keys = [f"raw-{i}" for i in range(blocks)]
+        self.client.init()
+        self.mode = ds.WriteMode.NONE_L2_CACHE_EVICT  # as kvray writes by default
+        self.src, self.dst = src.ctypes.data, dst.ctypes.data
 
-        def put() -> None:
-            for lo in range(0, blocks, 1000):
-                part = keys[lo : lo + 1000]
-                bufs = client.mcreate(part, [block] * len(part), mode, 0)
-                for i, buf in enumerate(bufs, lo):
-                    view = np.frombuffer(buf.MutableData(), dtype=np.uint8)
-                    ctypes.memmove(view.ctypes.data, src.ctypes.data + i * block, block)
-                client.mset_buffer(bufs)
+    def put(self, keys: list[str], offs: np.ndarray, lens: np.ndarray, lo: int, hi: int) -> None:
+        for a in range(lo, hi, 1000):
+            b = min(hi, a + 1000)
+            bufs = self.client.mcreate(keys[a:b], lens[a:b].sum(axis=1).tolist(), self.mode, 0)
+            for i, buf in enumerate(bufs, a):
+                base = np.frombuffer(buf.MutableData(), dtype=np.uint8).ctypes.data
+                at = 0
+                for off, n in zip(offs[i].tolist(), lens[i].tolist(), strict=True):
+                    ctypes.memmove(base + at, self.src + off, n)
+                    at += n
+            self.client.mset_buffer(bufs)
 
-        def get() -> None:
-            for lo in range(0, blocks, 1000):
-                bufs = client.get_buffers(keys[lo : lo + 1000], 0)
-                for i, buf in enumerate(bufs, lo):
-                    view = np.frombuffer(buf, dtype=np.uint8)
-                    ctypes.memmove(dst.ctypes.data + i * block, view.ctypes.data, block)
+    def get(self, keys: list[str], offs: np.ndarray, lens: np.ndarray, lo: int, hi: int) -> None:
+        for a in range(lo, hi, 1000):
+            bufs = self.client.get_buffers(keys[a : min(hi, a + 1000)], 0)
+            for i, buf in enumerate(bufs, a):
+                base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+                at = 0
+                for off, n in zip(offs[i].tolist(), lens[i].tolist(), strict=True):
+                    ctypes.memmove(self.dst + off, base + at, n)
+                    at += n
 
-        def clear() -> None:
-            client.delete(keys)
+    def clear(self, keys: list[str]) -> None:
+        self.client.delete(keys)
 
-        put_t = measure("raw put", reps, clear, put)
-        get_t = measure("raw get", reps, lambda: None, get)
-        assert np.array_equal(src, dst), "raw round trip is not byte-exact"
-    finally:
-        worker.stop()
-    n = blocks * block
-    return n / statistics.median(put_t) / 1e9, n / statistics.median(get_t) / 1e9
-
-
-def bench_raw(
-    src: np.ndarray,
-    dst: np.ndarray,
-    blocks: int,
-    block: int,
-    segment: int,
-    reps: int,
-) -> tuple[float, float]:
-    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-
-    from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
-
-    with tempfile.TemporaryDirectory() as logs:
-        master = MooncakeMaster(MooncakeMasterConfig(), logs)
-        master.start()
-        try:
-            store = MooncakeDistributedStore()
-            rc = store.setup(
-                "127.0.0.1", "P2PHANDSHAKE", segment, 64 << 20, "tcp", "", master.address
-            )
-            assert rc == 0, f"raw mooncake setup failed: {rc}"
-            store.register_buffer(src.ctypes.data, src.nbytes)
-            store.register_buffer(dst.ctypes.data, dst.nbytes)
-            cfg = ReplicateConfig()
-            cfg.preferred_segments = [store.get_hostname()]  # as kvray does: local segment
-            keys = [f"raw-{i}" for i in range(blocks)]
-            sptr = [src.ctypes.data + i * block for i in range(blocks)]
-            dptr = [dst.ctypes.data + i * block for i in range(blocks)]
-            sizes = [block] * blocks
-
-            def put() -> None:
-                rcs = store.batch_put_from(keys, sptr, sizes, cfg)
-                assert all(r == 0 for r in rcs), f"raw put failed: {set(rcs)}"
-
-            def get() -> None:
-                got = store.batch_get_into(keys, dptr, sizes)
-                assert all(g == block for g in got), f"raw get failed: {set(got)}"
-
-            def clear() -> None:
-                store.batch_remove(keys, True)
-
-            put_t = measure("raw put", reps, clear, put)
-            get_t = measure("raw get", reps, lambda: None, get)
-            assert np.array_equal(src, dst), "raw round trip is not byte-exact"
-            store.close()
-        finally:
-            master.stop()
-    n = blocks * block
-    return n / statistics.median(put_t) / 1e9, n / statistics.median(get_t) / 1e9
+    def close(self) -> None:
+        self.worker.stop()
 
 
 def raw_exists_ms(backend: str, server: str, keys: list[str], reps: int) -> float:
@@ -364,7 +385,10 @@ def main() -> int:
     parser.add_argument("--backend", choices=["mooncake", "yuanrong"], default="mooncake")
     parser.add_argument("--cross-node", action="store_true", help="gets from another node")
     parser.add_argument(
-        "--io-threads", type=int, default=4, help="kvray's io_threads (--cross-node pool)"
+        "--io-threads", type=int, default=4, help="kvray's io_threads, and the raw client's threads"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=8, help="multi-buffer paths: a block is 2 x LAYERS pieces"
     )
     parser.add_argument("--xn-role", choices=["store", "fetch", "down"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write results here")
@@ -384,37 +408,39 @@ def main() -> int:
 
     from kvray import Pool, PoolConfig
     from kvray.ray_env import ray_init
+    from kvray.transfer import TransferBatch
 
-    blocks, block = args.blocks, args.block_kib << 10
+    blocks, block, threads = args.blocks, args.block_kib << 10, args.io_threads
     nbytes = blocks * block
+    pieces = 2 * args.layers
+    if block % pieces:
+        parser.error(f"--block-kib {args.block_kib} is not divisible into {pieces} pieces")
     segment = max(64 << 20, int(nbytes * 1.5) // (1 << 20) << 20)
-    log(
-        f"== {blocks} blocks x {args.block_kib} KiB = {nbytes / (1 << 20):.0f} MiB, "
-        f"median of {args.reps} reps (+1 warm-up)"
-    )
-    rng = np.random.default_rng(0)
-    payload = rng.integers(0, 256, nbytes, dtype=np.uint8)
-
-    log("== memcpy")
-    dst = np.empty_like(payload)
-    dst[:] = 0
-    memcpy = bench_memcpy(payload, dst, args.reps)
-
     backend = args.backend
     server = "master" if backend == "mooncake" else "datasystem worker"
-    log(f"== raw {backend} (in-process client, own {server})")
+    log(
+        f"== {blocks} blocks x {args.block_kib} KiB = {nbytes / (1 << 20):.0f} MiB; "
+        f"{args.reps} reps (+1 warm-up), every path in turn per rep, order rotated"
+    )
+    payload = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     raw_dst = np.zeros_like(payload)
-    raw = bench_raw if backend == "mooncake" else bench_raw_yuanrong
-    raw_put, raw_get = raw(payload, raw_dst, blocks, block, segment, args.reps)
-    del raw_dst
+    shapes = {"": piece_layout(blocks, block, 1), "multi": piece_layout(blocks, block, pieces)}
+    keys = [f"kv-{i}" for i in range(blocks)]
+    io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench")
+    logs = tempfile.TemporaryDirectory(prefix="kvray-bench-store-")
 
-    log(f"== kvray (local Ray on loopback, 1-rank pool, embedded {server})")
+    log(f"== raw {backend}: in-process client, its own {server}")
+    raw: RawMooncake | RawYuanrong = (RawMooncake if backend == "mooncake" else RawYuanrong)(
+        payload, raw_dst, segment, logs.name
+    )
+    log(f"== kvray: local Ray on loopback, 1-rank pool, embedded {server}, io_threads {threads}")
     ray_init("local", num_cpus=2)
     pool_cfg: dict[str, object] = {
         "name": "bench",
         "backend": backend,
         "world_size": 1,
         "detached": False,
+        "io_threads": threads,
         "transfer_window_size": "64MB",
     }
     if backend == "mooncake":
@@ -422,31 +448,115 @@ def main() -> int:
     else:
         pool_cfg["datasystem"] = {"shared_memory_size": segment}
     pool = Pool.start(PoolConfig.from_dict(pool_cfg, environ={}))
-    results: dict[str, dict[str, float]] = {}
     try:
-        keys = [f"kv-{i}" for i in range(blocks)]
-        src = pool.empty((blocks, block), np.uint8)
-        src.reshape(-1)[:] = payload
-        out = pool.empty((blocks, block), np.uint8)
-        src_rows, out_rows = list(src), list(out)
+        src = pool.empty(nbytes, np.uint8)
+        src[:] = payload
+        out = pool.empty(nbytes, np.uint8)
+        src_rows, out_rows = list(src.reshape(blocks, block)), list(out.reshape(blocks, block))
+        plain_out = [np.empty(block, np.uint8) for _ in range(blocks)]
+        plain_src = [payload[i * block : (i + 1) * block] for i in range(blocks)]
+        region = pool._region_of(src)[0].spec  # noqa: SLF001 - the connector's descriptors
+        out_region = pool._region_of(out)[0].spec  # noqa: SLF001
+        actor = pool._loop.run(pool._actor(0))  # noqa: SLF001 - the rank's BackendClient
 
-        def clear() -> None:
+        def actor_call(op: str, region_spec: Any) -> None:
+            """What the connector's worker sends per step: one TransferBatch of every
+            block's per-layer pieces to the rank's BackendClient actor."""
+            offs, lens = shapes["multi"]
+            batch = TransferBatch(region_spec, tuple(keys), offs, lens)
+            ref = actor.put.remote(batch, False) if op == "put" else actor.get.remote(batch)
+            statuses = ray.get(ref)
+            assert all(st.name == "OK" for st in statuses), f"kvray multi {op} failed"
+
+        def memcpy_par() -> None:
+            split_run(io, threads, nbytes, lambda lo, hi: np.copyto(raw_dst[lo:hi], payload[lo:hi]))
+
+        def raw_op(op: str, shape: str, parts: int) -> Callable[[], None]:
+            offs, lens = shapes[shape]
+            fn = raw.put if op == "put" else raw.get
+            return lambda: split_run(io, parts, blocks, lambda lo, hi: fn(keys, offs, lens, lo, hi))
+
+        def reset(buf: np.ndarray | list[np.ndarray]) -> Callable[[], None]:
+            def run() -> None:
+                for b in buf if isinstance(buf, list) else [buf]:
+                    b.fill(0)
+
+            return run
+
+        def same(buf: np.ndarray | list[np.ndarray]) -> Callable[[], bool]:
+            def run() -> bool:
+                got = np.concatenate(buf) if isinstance(buf, list) else buf
+                return bool(np.array_equal(got, payload))
+
+            return run
+
+        def kv_clear() -> None:
             pool.remove(keys, force=True)
 
-        put_t = measure("kvray put", args.reps, clear, lambda: pool.put(keys, src_rows))
-        get_t = measure("kvray get", args.reps, lambda: None, lambda: pool.get(keys, out=out_rows))
-        assert np.array_equal(src, out), "kvray round trip is not byte-exact"
+        def raw_clear() -> None:
+            raw.clear(keys)
 
-        plain_src = [payload[i * block : (i + 1) * block] for i in range(blocks)]
-        plain_out = [np.empty(block, np.uint8) for _ in range(blocks)]
-        sput_t = measure("kvray staged put", args.reps, clear, lambda: pool.put(keys, plain_src))
-        sget_t = measure(
-            "kvray staged get", args.reps, lambda: None, lambda: pool.get(keys, out=plain_out)
-        )
-        assert all(np.array_equal(a, b) for a, b in zip(plain_src, plain_out, strict=True))
+        # name -> (clear, put, reset destination, get, destination holds the payload)
+        paths: dict[str, tuple[Callable[[], object], ...]] = {
+            "memcpy": (
+                lambda: None, lambda: np.copyto(raw_dst, payload), reset(raw_dst),
+                lambda: np.copyto(raw_dst, payload), same(raw_dst),
+            ),
+            f"memcpy x{threads}": (
+                lambda: None, memcpy_par, reset(raw_dst), memcpy_par, same(raw_dst),
+            ),
+            "raw": (
+                raw_clear, raw_op("put", "", 1), reset(raw_dst), raw_op("get", "", 1),
+                same(raw_dst),
+            ),
+            f"raw x{threads}": (
+                raw_clear, raw_op("put", "", threads), reset(raw_dst),
+                raw_op("get", "", threads), same(raw_dst),
+            ),
+            "kvray": (
+                kv_clear, lambda: pool.put(keys, src_rows), reset(out),
+                lambda: pool.get(keys, out=out_rows), same(out),
+            ),
+            "kvray staged": (
+                kv_clear, lambda: pool.put(keys, plain_src), reset(plain_out),
+                lambda: pool.get(keys, out=plain_out), same(plain_out),
+            ),
+            "raw multi": (
+                raw_clear, raw_op("put", "multi", 1), reset(raw_dst),
+                raw_op("get", "multi", 1), same(raw_dst),
+            ),
+            f"raw multi x{threads}": (
+                raw_clear, raw_op("put", "multi", threads), reset(raw_dst),
+                raw_op("get", "multi", threads), same(raw_dst),
+            ),
+            "kvray multi": (
+                kv_clear, lambda: actor_call("put", region), reset(out),
+                lambda: actor_call("get", out_region), same(out),
+            ),
+        }  # fmt: skip
+        names = list(paths)
+        times: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
+        for rep in range(args.reps + 1):
+            k = rep % len(names)
+            line = []
+            for name in names[k:] + names[:k]:
+                clear, put, zero, get, check = paths[name]
+                clear()
+                tp = timed(put)
+                zero()
+                tg = timed(get)
+                if not check():
+                    raise RuntimeError(f"{name}: round trip is not byte-exact (rep {rep})")
+                if rep:
+                    times[name]["put"].append(tp)
+                    times[name]["get"].append(tg)
+                line.append(f"{name} {tp * 1e3:.0f}/{tg * 1e3:.0f}")
+            label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
+            log(f"   {label} (put/get ms): " + ", ".join(line))
+        raw_clear()
 
         log(f"== prefix lookup of {blocks} blocks through the Lookup actor")
-        clear()
+        kv_clear()
         space, hashes = lookup_space(), lookup_hashes(blocks)
         tiny = np.zeros(64, np.uint8)
         pool.put([space.key(h) for h in hashes], [tiny] * blocks)
@@ -468,60 +578,70 @@ def main() -> int:
         raw_exists = raw_exists_ms(
             backend, pool.server_address, space.rank_key_strs(hashes, 0), args.lookup_reps
         )
-        results = {
-            "gbps": {
-                "kvray_put": nbytes / statistics.median(put_t) / 1e9,
-                "kvray_get": nbytes / statistics.median(get_t) / 1e9,
-                "raw_put": raw_put,
-                "raw_get": raw_get,
-                "memcpy": memcpy,
-                "kvray_staged_put": nbytes / statistics.median(sput_t) / 1e9,
-                "kvray_staged_get": nbytes / statistics.median(sget_t) / 1e9,
-            },
-            "lookup_ms": {
-                "p50": statistics.median(lat),
-                "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-                # Baselines from the same run: the Ray call alone (an empty lookup) and
-                # the same exists query in-process without Ray.
-                "ray_call_floor_p50": statistics.median(floor),
-                "raw_exists_p50": raw_exists,
-            },
-            "params": {
-                "backend": backend,
-                "blocks": blocks,
-                "block_bytes": block,
-                "reps": args.reps,
-                "lookup_reps": args.lookup_reps,
-                "cpus": os.cpu_count(),
-            },
-        }
     finally:
         pool.shutdown()
         ray.shutdown()
+        raw.close()
+        io.shutdown()
+        logs.cleanup()
 
-    g = results["gbps"]
+    gbps = {
+        n: {op: nbytes / statistics.median(t[op]) / 1e9 for op in ("put", "get")}
+        for n, t in times.items()
+    }
+
+    def strongest_raw(name: str, op: str) -> float:
+        shape = [n for n in names if n.startswith("raw") and ("multi" in n) == ("multi" in name)]
+        return max(gbps[n][op] for n in shape)
+
     print()
-    print(f"{'path':<22}{'put GB/s':>10}{'get GB/s':>10}{'put/raw':>9}{'get/raw':>9}")
-    rows = [
-        ("memcpy (ceiling)", memcpy, memcpy),
-        (f"raw {backend}", raw_put, raw_get),
-        ("kvray (shared region)", g["kvray_put"], g["kvray_get"]),
-        ("kvray (staged copy)", g["kvray_staged_put"], g["kvray_staged_get"]),
-    ]
-    for name, p, q in rows:
-        print(f"{name:<22}{p:>10.2f}{q:>10.2f}{p / raw_put:>9.2f}{q / raw_get:>9.2f}")
-    lk = results["lookup_ms"]
+    print(f"{'path':<20}{'put GB/s':>12}{'get GB/s':>12}{'put/raw':>9}{'get/raw':>9}")
+    for n in names:
+        cells = []
+        for op in ("put", "get"):
+            t = times[n][op]
+            half = (max(t) - min(t)) / statistics.median(t) / 2
+            cells.append(f"{gbps[n][op]:>7.2f} ±{half:3.0%}")
+        vs = (
+            f"{gbps[n]['put'] / strongest_raw(n, 'put'):>9.2f}"
+            f"{gbps[n]['get'] / strongest_raw(n, 'get'):>9.2f}"
+            if n.startswith("kvray")
+            else ""
+        )
+        print(f"{n:<20}{cells[0]:>12}{cells[1]:>12}{vs}")
+    print(
+        f"\nmedians of {args.reps}, ± half the range of the reps; vs raw = against the "
+        f"stronger of raw and raw x{threads} of the same shape (one piece per block, or "
+        f"multi: {pieces} pieces per block as {args.layers} layers' K and V)"
+    )
+    lk = {
+        "p50": statistics.median(lat),
+        "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        # Baselines from the same run: the Ray call alone (an empty lookup) and the
+        # same exists query in-process without Ray.
+        "ray_call_floor_p50": statistics.median(floor),
+        "raw_exists_p50": raw_exists,
+    }
     print(f"\nprefix lookup of {blocks} blocks (ms){'p50':>8}{'p99':>8}")
     print(f"{'kvray Pool.lookup (Ray call)':<29}{lk['p50']:>8.2f}{lk['p99']:>8.2f}")
     print(f"{'  of which Ray call floor':<29}{lk['ray_call_floor_p50']:>8.2f}")
     print(f"{'raw exists query in-process':<29}{lk['raw_exists_p50']:>8.2f}")
-    put_x, get_x = g["kvray_put"] / raw_put, g["kvray_get"] / raw_get
-    print(
-        f"\ntargets: kvray >= 0.8x raw: put {put_x:.2f}x, get {get_x:.2f}x; "
-        f"lookup p50 <= 2 ms: {lk['p50']:.2f} ms"
-    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        results = {
+            "meta": run_meta(
+                order="per rep every path in turn (clear, put, get, verify), order rotated",
+                reps=args.reps,
+            ),
+            "gbps": gbps,
+            "reps_s": times,
+            "lookup_ms": lk,
+            "params": {
+                "backend": backend, "blocks": blocks, "block_bytes": block,
+                "pieces_multi": pieces, "io_threads": threads, "reps": args.reps,
+                "lookup_reps": args.lookup_reps,
+            },
+        }  # fmt: skip
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
     return 0

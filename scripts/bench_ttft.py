@@ -3,22 +3,29 @@ ideal: the prefix is already resident, nothing to transfer) and vLLM's
 MooncakeStoreConnector on the same Mooncake master settings.
 
 For each input length and pool hit rate h, a request's first h of tokens (whole
-blocks) were computed before by another request, and its TTFT (one generated token,
-alone in the engine) is measured. Configurations:
+blocks) were computed before by another request (the seed), and its TTFT (one generated
+token, alone in the engine) is measured. Configurations, each a live vLLM engine (its
+own process, up for the whole run):
 
 - ``full``: no connector, prefix caching off: everything is computed;
 - ``local``: vLLM prefix caching on, prefix resident in the engine (the ideal);
 - ``kvray``: KVRayConnector, prefix caching off: the prefix comes from the kvray pool
   (``shared`` placement: the KV cache is the shared region);
-- ``staged`` (with ``--placement staged``): the same through the ``staged`` placement
-  (blocks gathered into and scattered from a staging region: the GPU/NPU path), so its
-  overhead over ``shared`` shows;
-- ``peer``: vLLM's MooncakeStoreConnector (embedded mode, own mooncake_master with the
-  pool master's settings), prefix caching off.
+- ``staged`` (``--configs ...,staged`` or ``--placement staged``): the same through the
+  ``staged`` placement (blocks gathered into and scattered from a staging region: the
+  GPU/NPU path), so its overhead over ``shared`` shows;
+- ``peer``: vLLM's MooncakeStoreConnector (embedded mode: an in-process Mooncake client,
+  its own mooncake_master with the pool master's settings), prefix caching off.
 
-Each configuration runs in its own engine process; medians of ``--reps`` repetitions
-(``full`` runs first and last; the lower median counts, so noise never inflates the
-baseline).
+Reps are interleaved: for every (input length, hit rate, rep) each engine in turn, in
+an order rotated per rep, seeds the prefix and times one request that starts with it;
+engines not in turn are paused (SIGSTOP) so their background threads take no CPU from
+the one measured. Every rep is recorded (JSON: every rep's TTFT and vLLM's count of
+prompt tokens it did not compute, the commit, the machine); the table shows medians and
+their spread. Each measured request is checked: with hits, every caching configuration
+must have skipped at least the prefix (vLLM's ``num_cached_tokens``), ``full`` nothing;
+otherwise the run is void and fails.
+
 The model is a locally built Llama with dummy-sized compute (random weights) so that
 prefill dominates as on real hardware.
 
@@ -32,19 +39,29 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-CONFIGS = ("full", "local", "kvray", "peer")
-CONNECTOR_PLACEMENT = {"kvray": "shared", "staged": "staged"}
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _engines import (  # noqa: E402
+    PEER_TRANSFER_CONFIG,
+    Engine,
+    engine_env,
+    kvray_transfer_config,
+    run_meta,
+    start_bench_pool,
+    start_peer_master,
+)
+
+CONFIGS = ("full", "local", "kvray", "staged", "peer")
+DEFAULT_CONFIGS = "full,local,kvray,peer"
+LABELS = {"full": "full", "local": "ideal", "kvray": "kvray", "staged": "staged", "peer": "peer"}
 BLOCK = 128
 
 
@@ -52,131 +69,27 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# ---- engine process --------------------------------------------------------------------
-
-
-def worker(spec_path: str, out_path: str) -> int:
-    """Run one configuration's measurements in this (fresh) process."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: no IPC in the timing
-    spec = json.loads(Path(spec_path).read_text())
-    import numpy as np
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    name = spec["config"]
-    kwargs: dict[str, Any] = {"enable_prefix_caching": name == "local"}
-    if name in CONNECTOR_PLACEMENT:
+def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
+    if name in ("kvray", "staged"):
         extra = {
-            "pool_name": spec["pool"],
+            "pool_name": "bench",
             "load_async": False,
-            "kv_placement": CONNECTOR_PLACEMENT[name],
+            "kv_placement": "shared" if name == "kvray" else "staged",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVRayConnector",
-            "kv_connector_module_path": "kvray.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
+        spec["kv_transfer_config"] = kvray_transfer_config(extra)
     elif name == "peer":
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "MooncakeStoreConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {},
-        }
-    llm = LLM(
-        model=spec["model"],
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=spec["max_len"],
-        seed=0,
-        **kwargs,
-    )
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-
-    def run(prompt: list[int]) -> float:
-        t0 = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    def drain() -> None:
-        # Let a connector's background saves finish before the measured request.
-        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        deadline = time.monotonic() + 60
-        while (
-            connector is not None
-            and connector.has_pending_push_work()
-            and time.monotonic() < deadline
-        ):
-            llm.llm_engine.engine_core.engine_core.step_fn()
-        time.sleep(0.05)
-
-    run(np.random.default_rng(99).integers(3, 1000, 300).tolist())  # warm-up
-    rows = []
-    for length in spec["lengths"]:
-        for rate in spec["rates"]:
-            prefix_len = int(rate * length) // BLOCK * BLOCK
-            times = []
-            for rep in range(spec["reps"]):
-                rng = np.random.default_rng([length, int(rate * 100), rep])
-                prefix = rng.integers(3, 1000, prefix_len).tolist()
-                if prefix_len and name != "full":
-                    run(
-                        prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    )  # seeds the prefix
-                    drain()
-                times.append(run(prefix + rng.integers(3, 1000, length - prefix_len).tolist()))
-            rows.append(
-                {
-                    "input_tokens": length,
-                    "hit_rate": rate,
-                    "ttft_s": statistics.median(times),
-                    "reps": times,
-                }
-            )
-            print(
-                f"   [{name}] input {length:5d} hit {rate:4.0%}: "
-                f"TTFT {statistics.median(times) * 1e3:8.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
-    Path(out_path).write_text(json.dumps(rows))
-    return 0
-
-
-# ---- orchestration -------------------------------------------------------------------
-
-
-def run_config(
-    name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path
-) -> list[dict[str, Any]]:
-    spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps({**spec, "config": name}))
-    log(f"== {name}: starting an engine process")
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    for line in proc.stderr.splitlines():
-        if line.startswith("   ["):
-            log(line)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} engine failed:\n{proc.stderr[-5000:]}")
-    log(f"   {name} done in {time.monotonic() - t0:.0f} s")
-    rows: list[dict[str, Any]] = json.loads(out_path.read_text())
-    return rows
+        spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG
+    return spec
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--rates", default="0,0.5,0.9")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"from {','.join(CONFIGS)}")
     parser.add_argument(
         "--placement",
         choices=("shared", "staged"),
@@ -188,151 +101,152 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
     args = parser.parse_args()
-    if args.worker:
-        return worker(*args.worker)
     if args.reps < 3:
         parser.error("--reps must be >= 3")
-
-    import ray
-
-    from kvray import Pool, PoolConfig
-    from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
-    from kvray.ray_env import ray_init
-    from kvray.tiny_model import build_prefill_bound_llama
-
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
     configs = args.configs.split(",")
     if args.placement == "staged" and "staged" not in configs:
         configs.append("staged")
-    log(f"== building the model in {args.model_dir}")
-    model = build_prefill_bound_llama(args.model_dir)
-    spec = {
-        "model": str(model),
-        "lengths": lengths,
-        "rates": rates,
-        "reps": args.reps,
-        "max_len": max(lengths) + 16,
-        "pool": "bench",
-    }
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    if "full" not in configs:
+        parser.error("--configs must include full (the baseline of every saving)")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    if not all(0 <= r < 1 for r in rates):
+        parser.error("--rates must be hit rates in [0, 1)")
 
-    master_settings = MooncakeMasterConfig()  # the same flags for the pool's master and the peer's
-    log("== starting Ray (loopback) and a kvray pool with its embedded master")
-    ray_init("local", num_cpus=4)
-    pool = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "bench",
-                "world_size": 1,
-                "detached": False,
-                "master": master_settings.model_dump(),
-                "mooncake": {"global_segment_size": "2GB", "local_buffer_size": "256MB"},
-            },
-            environ={},
-        )
-    )
+    import numpy as np
+    import ray
+
+    from kvray.config import MooncakeMasterConfig
+    from kvray.tiny_model import build_prefill_bound_llama
+
+    log(f"== building the model in {args.model_dir}")
+    model = str(build_prefill_bound_llama(args.model_dir))
+    master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
-    peer_master = MooncakeMaster(master_settings, tmp)
-    results: dict[str, list[dict[str, Any]]] = {}
+    pool, ray_address = start_bench_pool(segment="2GB", master=master)
+    env = engine_env(tmp, ray_address, kv_cache_gb=2)
+    peer_master = None
+    engines: dict[str, Engine] = {}
+    reps: dict[tuple[str, int, float], list[float]] = {}
+    cached: dict[tuple[str, int, float], list[int]] = {}
     try:
-        base_env = {
-            **os.environ,
-            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-            "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        }
-        # Full compute runs first and last and keeps the faster median per row: the
-        # machine's noise then cannot inflate the baseline (a conservative saving).
-        order = configs + ["full"] if "full" in configs else configs
-        for name in order:
-            env = dict(base_env)
+        for name in configs:  # one at a time: a 2-core machine starts engines slowly
+            log(f"== starting engine {name}")
+            e_env = dict(env)
             if name == "peer":
-                address = peer_master.start()
-                cfg = {
-                    "metadata_server": "P2PHANDSHAKE",
-                    "master_server_address": address,
-                    "protocol": "tcp",
-                    "global_segment_size": 2 << 30,
-                    "local_buffer_size": 256 << 20,
-                    "mode": "embedded",
-                }
-                (tmp / "mooncake.json").write_text(json.dumps(cfg))
-                env.update(
-                    MOONCAKE_CONFIG_PATH=str(tmp / "mooncake.json"),
-                    MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1",
+                peer_master, peer_env = start_peer_master(
+                    tmp, master, segment=2 << 30, local_buffer=256 << 20
                 )
-            rows_now = run_config(name, spec, env, tmp)
-            if name in results:
-                for old, new in zip(results[name], rows_now, strict=True):
-                    old["ttft_s"] = min(old["ttft_s"], new["ttft_s"])
-            else:
-                results[name] = rows_now
+                e_env.update(peer_env)
+            engines[name] = Engine(name, engine_spec(name, model, max(lengths) + 16), e_env, tmp)
+            engines[name].start()
+        total = len(lengths) * len(rates) * args.reps
+        done = 0
+        for length in lengths:
+            for rate in rates:
+                prefix_len = int(rate * length) // BLOCK * BLOCK
+                for rep in range(args.reps):
+                    rng = np.random.default_rng([length, int(rate * 100), rep])
+                    prefix = rng.integers(3, 1000, prefix_len).tolist()
+                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                    k = rep % len(configs)
+                    for name in configs[k:] + configs[:k]:  # rotated per rep
+                        needs_seed = prefix_len > 0 and name != "full"
+                        answer = engines[name].turn(seed if needs_seed else None, probe)
+                        check_cached(name, answer["cached_tokens"], prefix_len, length)
+                        reps.setdefault((name, length, rate), []).append(answer["ttft_s"])
+                        cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
+                    done += 1
+                    last = "  ".join(
+                        f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs
+                    )
+                    log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
     finally:
-        peer_master.stop()
+        for e in engines.values():
+            e.close()
+        if peer_master is not None:
+            peer_master.stop()
         pool.shutdown()
         ray.shutdown()
 
     rows = []
-    for i, base in enumerate(results.get("full", [])):
-        row = {
-            "input_tokens": base["input_tokens"],
-            "hit_rate": base["hit_rate"],
-            "ttft_full_s": base["ttft_s"],
-        }
-        for name, key in (
-            ("local", "ttft_local_s"),
-            ("kvray", "ttft_kvray_s"),
-            ("staged", "ttft_staged_s"),
-            ("peer", "ttft_peer_s"),
-        ):
-            if name in results:
-                row[key] = results[name][i]["ttft_s"]
-        rows.append(row)
-
-    def saving(row: dict[str, Any], key: str) -> str:
-        ideal = row["ttft_full_s"] - row.get("ttft_local_s", float("nan"))
-        if row["hit_rate"] == 0 or key not in row or not ideal > 0:
-            return "-"
-        return f"{(row['ttft_full_s'] - row[key]) / ideal:.2f}"
-
-    def overhead(row: dict[str, Any]) -> str:
-        if "ttft_staged_s" not in row or "ttft_kvray_s" not in row:
-            return "-"
-        return f"{(row['ttft_staged_s'] - row['ttft_kvray_s']) / row['ttft_staged_s']:+.2f}"
-
-    staged = "staged" in results
-    print()
-    print(
-        f"{'input':>6} {'hit':>5} {'full ms':>9} {'ideal ms':>9} {'kvray ms':>9} {'peer ms':>9}"
-        f" {'kvray saving':>13} {'peer saving':>12}"
-        + (f" {'staged ms':>10} {'staged saving':>14} {'staging share':>14}" if staged else "")
-    )
-    for r in rows:
-
-        def ms(key: str, r: dict[str, Any] = r) -> str:
-            return f"{r[key] * 1e3:9.1f}" if key in r else f"{'-':>9}"
-
-        print(
-            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {ms('ttft_full_s')} {ms('ttft_local_s')}"
-            f" {ms('ttft_kvray_s')} {ms('ttft_peer_s')} {saving(r, 'ttft_kvray_s'):>13}"
-            f" {saving(r, 'ttft_peer_s'):>12}"
-            + (
-                f" {ms('ttft_staged_s'):>10} {saving(r, 'ttft_staged_s'):>14} {overhead(r):>14}"
-                if staged
-                else ""
-            )
-        )
-    print(
-        "\nsaving = (full - x) / (full - ideal); target: kvray >= 0.9 in every row with hits, "
-        "and kvray TTFT <= peer TTFT"
-        + ("; staging share = (staged - kvray) / staged" if staged else "")
-    )
+    for length in lengths:
+        for rate in rates:
+            row: dict[str, Any] = {"input_tokens": length, "hit_rate": rate}
+            for name in configs:
+                times = reps[(name, length, rate)]
+                row[f"ttft_{name}_s"] = statistics.median(times)
+                row[f"reps_{name}_s"] = times
+                row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
+            rows.append(row)
+    print_table(rows, configs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows}, indent=2))
+        meta = run_meta(
+            reps=args.reps,
+            configs=configs,
+            order="interleaved: per (length, rate, rep) every config in turn, order rotated "
+            "per rep; engines not in turn paused (SIGSTOP)",
+            checks="every measured request: caching configs skipped >= the prefix "
+            "(num_cached_tokens), full skipped nothing",
+        )
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         plot(rows, args.json.with_suffix(".png"))
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+def check_cached(name: str, cached: int, prefix_len: int, length: int) -> None:
+    """A caching configuration that did not skip the prefix (or ``full`` that skipped
+    anything) measured something else than it claims: the run is void."""
+    # vLLM never counts the last prompt token as cached: it must compute one.
+    ok = cached == 0 if name == "full" else min(prefix_len, length - 1) <= cached
+    if not ok:
+        raise RuntimeError(
+            f"{name}: a measured request skipped {cached} of {length} prompt tokens where the "
+            f"prefix is {prefix_len} ({'none expected' if name == 'full' else 'all expected'}): "
+            "results void"
+        )
+
+
+def print_table(rows: list[dict[str, Any]], configs: list[str]) -> None:
+    def ms(row: dict[str, Any], name: str) -> str:
+        key = f"ttft_{name}_s"
+        if key not in row:
+            return f"{'-':>15}"
+        times = row[f"reps_{name}_s"]
+        spread = (max(times) - min(times)) / row[key]
+        return f"{row[key] * 1e3:9.1f} ±{spread / 2:4.0%}"
+
+    def saving(row: dict[str, Any], name: str) -> str:
+        ideal = row["ttft_full_s"] - row.get("ttft_local_s", float("nan"))
+        key = f"ttft_{name}_s"
+        if row["hit_rate"] == 0 or key not in row or not ideal > 0:
+            return f"{'-':>8}"
+        return f"{(row['ttft_full_s'] - row[key]) / ideal:8.2f}"
+
+    savers = [n for n in ("kvray", "staged", "peer") if n in configs]
+    print()
+    print(
+        f"{'input':>6} {'hit':>5} "
+        + " ".join(f"{LABELS[n] + ' ms':>15}" for n in configs)
+        + "".join(f" {LABELS[n] + ' sv':>8}" for n in savers)
+    )
+    for r in rows:
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} "
+            + " ".join(ms(r, n) for n in configs)
+            + "".join(f" {saving(r, n)}" for n in savers)
+        )
+    print(
+        "\nmedian TTFT ± half the range of its reps, relative; sv = saving = "
+        "(full - x) / (full - ideal), medians; targets: kvray saving >= 0.9 in every row "
+        "with hits, kvray TTFT <= peer TTFT"
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -686,7 +686,12 @@ class ConnectorConfig(_Strict):
     namespace: str = "kvray"
     """Ray namespace of the pool's actors."""
     ray_address: str | None = None
-    """Ray cluster to join from multiprocessing-executor workers (default: ``auto``)."""
+    """Ray cluster to join from multiprocessing-executor workers (default: ``RAY_ADDRESS``;
+    neither set: a cluster ``ray start`` made on this node, else the node's embedded pool,
+    started by the first engine and stopped with the last)."""
+    pool_config: str | None = None
+    """Pool config file (YAML or JSON, as for ``kvray up --config``) the embedded pool is
+    started with, when an engine starts it (no Ray cluster configured)."""
     lookup_timeout_ms: float = Field(200.0, gt=0)
     """A lookup slower than this is a miss, never a stall."""
     pd_wait_ms: float = Field(5000.0, ge=0)

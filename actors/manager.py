@@ -79,6 +79,9 @@ class PoolManagerActor:
         self._lookups: dict[str, Any] = {}
         self._geometries: dict[str, str] = {}
         """``namespace@layout`` -> the block geometry its stored bytes have."""
+        self._fingerprints: dict[str, dict[str, dict[str, Any]]] = {}
+        """``namespace@layout`` -> hash domain -> how its instances hash blocks (vLLM's
+        algorithm, the seed's source) and how many registered it."""
         self._making: dict[Any, asyncio.Lock] = {}
         self._gone_since: dict[str, float] = {}
         self._reconciler: asyncio.Task[None] | None = None
@@ -174,6 +177,18 @@ class PoolManagerActor:
         claim stands; an engine comparing its own with the answer never writes bytes of
         another shape under the same keys."""
         return self._geometries.setdefault(keys, geometry)
+
+    async def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> list[dict[str, Any]]:
+        """An attaching instance's hash fingerprint for keys ``keys`` (``namespace@layout``);
+        answers the other hash domains seen for the same keys (empty: all hash alike)."""
+        seen = self._fingerprints.setdefault(keys, {})
+        entry = seen.setdefault(fp["hash_domain"], {**fp, "instances": 0})
+        entry["instances"] += 1
+        entry["last_seen"] = time.time()
+        return [dict(v) for d, v in seen.items() if d != fp["hash_domain"]]
+
+    async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return self._fingerprints
 
     async def spec(self) -> dict[str, Any]:
         return {

@@ -48,6 +48,12 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 Protocol = Literal["tcp", "rdma", "ascend"]
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
 BackendName = Literal["mooncake", "yuanrong", "memcache"]
 MmcProtocol = Literal[
     "device_rdma",
@@ -185,8 +191,9 @@ class MooncakeConfig(_Strict):
     metadata_server: str = "P2PHANDSHAKE"
     """Transfer-engine metadata: ``P2PHANDSHAKE`` (no server), ``http://host:port/metadata``
     or an etcd address."""
-    protocol: Protocol = Field(default_factory=detect_protocol)
-    """Transport: ``tcp``, ``rdma`` or ``ascend``. Default chosen by hardware."""
+    protocol: Annotated[Protocol, BeforeValidator(_lower)] = Field(default_factory=detect_protocol)
+    """Transport: ``tcp``, ``rdma`` or ``ascend`` (any case: the seeds write ``Ascend``).
+    Default chosen by hardware."""
     device_name: str = ""
     """RDMA device list (e.g. ``mlx5_0,mlx5_1``); empty lets Mooncake choose."""
     master_server_address: HostPort | None = None
@@ -669,8 +676,10 @@ class ConnectorConfig(_Strict):
     backend: BackendName = "mooncake"
     """Storage backend of the pool; must match the pool the connector attaches to."""
     lookup_rpc_port: int = Field(0, ge=0, le=65535)
-    """Distinguishes the lookup services of several engine instances on one node
-    (AscendStoreConnector's lookup socket). kvray names the Lookup actors with it."""
+    """AscendStoreConnector's port for the RPC between an instance's scheduler and its
+    workers' lookup server (one per instance). kvray needs no such port (its schedulers
+    reach their node's Lookup actor through Ray, which serves every instance), so the
+    value is accepted, so that existing configs work, and ignored."""
     load_async: bool = False
     """Load pool hits asynchronously (reported through ``get_finished``)."""
     consumer_is_to_put: bool = False
@@ -678,7 +687,8 @@ class ConnectorConfig(_Strict):
     consumer_is_to_load: bool = False
     """A ``kv_consumer`` also loads prefix hits from the pool."""
     prefill_pp_size: int = Field(1, ge=1)
-    """Pipeline-parallel size of the prefill instance a decode node stores for."""
+    """Pipeline-parallel size of the prefill instance a decode node stores for; given
+    only ``prefill_pp_layer_partition``, its number of stages."""
     prefill_pp_layer_partition: Annotated[str | None, BeforeValidator(_partition)] = None
     """Layers per prefill PP stage, e.g. ``"30,31"``; must sum to the model's layers."""
     pool_name: str = "kvray"
@@ -686,7 +696,12 @@ class ConnectorConfig(_Strict):
     namespace: str = "kvray"
     """Ray namespace of the pool's actors."""
     ray_address: str | None = None
-    """Ray cluster to join from multiprocessing-executor workers (default: ``auto``)."""
+    """Ray cluster to join from multiprocessing-executor workers (default: ``RAY_ADDRESS``;
+    neither set: a cluster ``ray start`` made on this node, else the node's embedded pool,
+    started by the first engine and stopped with the last)."""
+    pool_config: str | None = None
+    """Pool config file (YAML or JSON, as for ``kvray up --config``) the embedded pool is
+    started with, when an engine starts it (no Ray cluster configured)."""
     lookup_timeout_ms: float = Field(200.0, gt=0)
     """A lookup slower than this is a miss, never a stall."""
     pd_wait_ms: float = Field(5000.0, ge=0)
@@ -732,6 +747,16 @@ class ConnectorConfig(_Strict):
                 f"expected comma-separated positive layer counts like '30,31', got {v!r}"
             )
         return ",".join(parts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _size_from_partition(cls, data: Any) -> Any:
+        """The seeds set ``prefill_pp_size`` *or* ``prefill_pp_layer_partition``."""
+        if isinstance(data, dict) and "prefill_pp_size" not in data:
+            raw = _partition(data.get("prefill_pp_layer_partition"))
+            if isinstance(raw, str) and raw.strip():
+                data = {**data, "prefill_pp_size": len(raw.split(","))}
+        return data
 
     @model_validator(mode="after")
     def _partition_size(self) -> ConnectorConfig:

@@ -11,6 +11,7 @@ backend adapter, always with ``raise ... from exc`` when a native exception exis
     ├── KeyFormatError           a key string that kvray cannot parse or encode
     ├── PoolNotFoundError        attach to a pool name that is not running
     ├── PoolConflictError        start a pool whose name runs with another config
+    ├── EmbeddedPoolError        the node's embedded pool could not be started or joined
     ├── HashMismatchError        ranks derive different block hashes for the probe
     ├── RegionError              transfer region missing, too small, out of bounds
     └── BackendError             the storage backend failed
@@ -47,6 +48,11 @@ class PoolNotFoundError(KVRayError, LookupError):
 
 class PoolConflictError(KVRayError):
     """A pool with this name already runs with a different configuration."""
+
+
+class EmbeddedPoolError(KVRayError):
+    """The node's embedded pool (an engine with no Ray cluster configured) could not be
+    started or joined."""
 
 
 class HashMismatchError(KVRayError):

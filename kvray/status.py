@@ -35,6 +35,12 @@ class PoolStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     ssd: bool = False
     """The pool chains kvray's SSD tier (``<backend>|ssd``)."""
+    fingerprints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    """``namespace@layout`` -> hash domain -> how the instances that registered it hash
+    blocks; more than one domain for the same keys: those instances never share blocks."""
+
+    def hash_mismatches(self) -> dict[str, list[dict[str, Any]]]:
+        return {k: list(v.values()) for k, v in self.fingerprints.items() if len(v) > 1}
 
     @property
     def total(self) -> RankStats:
@@ -66,6 +72,7 @@ class PoolStatus:
             ],
             "nodes": self.node_capacity(),
             "total": self.total.to_dict(),
+            "fingerprints": self.fingerprints,
         }
 
     def node_capacity(self) -> dict[str, int]:
@@ -145,6 +152,17 @@ class PoolStatus:
         if len(capacity) > 1:
             lines.append(
                 "per node: " + ", ".join(f"{n} {_size_or_dash(b)}" for n, b in capacity.items())
+            )
+        for keys, domains in self.hash_mismatches().items():
+            each = "; ".join(
+                f"{d.get('hash_algo')} seeded by {d.get('seed_source')} "
+                f"({d.get('instances')} instance(s), domain {d.get('hash_domain')})"
+                for d in domains
+            )
+            lines.append(
+                f"HASH MISMATCH for {keys}: {len(domains)} ways of hashing blocks ({each}); "
+                "instances of different ones never share blocks: set the same PYTHONHASHSEED "
+                "and --prefix-caching-hash-algo on all of them"
             )
         return "\n".join(lines)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvray.config import ConnectorConfig, PoolConfig, validate
-from kvray.errors import ConfigError
+from kvray.errors import ConfigError, PoolNotFoundError
 from kvray.keys import KeySpace, KVLayout
 
 if TYPE_CHECKING:
@@ -38,6 +38,11 @@ class InstanceInfo:
     max_step_blocks: int = 0
     """Blocks of the engine's largest step (``max_num_batched_tokens``): sizes the
     default staging region."""
+    hash_algo: str = "sha256"
+    """vLLM's ``prefix_caching_hash_algo``: with its seed, decides the block hashes."""
+    local_workers: int = 1
+    """Engine workers per node (TP x PP x local DP ranks): the clients an embedded pool
+    started by this engine needs."""
 
     @property
     def can_load(self) -> bool:
@@ -110,6 +115,10 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         split,
         num_blocks=int(kv_cache_config.num_blocks),
         max_step_blocks=-(-int(step_tokens) // spec.block_size),
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        local_workers=parallel.tensor_parallel_size
+        * parallel.pipeline_parallel_size
+        * max(1, parallel.data_parallel_size_local),
     )
 
 
@@ -131,18 +140,26 @@ def check_host_transfers(pool: PoolConfig) -> None:
         )
 
 
-def attach_pool(cfg: ConnectorConfig) -> PoolHandles:
-    """Join the Ray cluster and find the pool (handles for this process's node)."""
+def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
+    """Join the Ray cluster (:func:`kvray.embedded.connect`: the configured one, this
+    node's, or the node's embedded pool) and find the pool (handles for this node)."""
     import ray
 
     from kvray import launcher
-    from kvray.ray_env import ray_init
+    from kvray.embedded import connect
 
+    where = "this process's Ray cluster"
     if not ray.is_initialized():
-        ray_init(
-            cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto", namespace=cfg.namespace
-        )
-    handles = launcher.attach(cfg.pool_name, cfg.namespace)
+        where = connect(cfg.ray_address, cfg.namespace, cfg.pool_name, cfg.pool_config,
+                        local_workers)  # fmt: skip
+    try:
+        handles = launcher.attach(cfg.pool_name, cfg.namespace)
+    except PoolNotFoundError as exc:
+        raise PoolNotFoundError(
+            f"no kvray pool {cfg.pool_name!r} (Ray namespace {cfg.namespace!r}) in {where}: "
+            "start it with `kvray up` there (or unset RAY_ADDRESS and ray_address to let "
+            "the engine run an embedded pool on its node)"
+        ) from exc
     check_host_transfers(handles.config)
     if handles.config.backend != cfg.backend:
         raise ConfigError(

@@ -26,6 +26,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from kvray.connector.common import InstanceInfo, attach_pool
+from kvray.connector.fingerprint import (
+    FIX,
+    Fingerprint,
+    mismatch_message,
+    random_seed_message,
+)
+from kvray.connector.fingerprint import current as current_fingerprint
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
@@ -101,7 +108,8 @@ class KVRayScheduler:
         self.info = info
         self.block_size = info.block_size
         self._timeout_s = info.config.lookup_timeout_ms / 1e3
-        handles = attach_pool(info.config)
+        handles = attach_pool(info.config, info.local_workers)
+        self._manager = handles.manager
         self._lookup_actor = handles.lookup()  # this node's: the scheduler's
         # The first call from a new process sets up Ray's connection to the actor (often
         # longer than a lookup timeout): pay it now, not as a miss on the first request.
@@ -134,6 +142,9 @@ class KVRayScheduler:
         space = info.space
         self._space_id = [space.namespace, space.layout, space.tp_size, space.pp_size]
         """What a prefill and a decode compare in ``kv_transfer_params`` (JSON-able)."""
+        self._fingerprint: Fingerprint | None = None
+        """How this engine hashes blocks: known from its first request on."""
+        self._fingerprint_ref: Any = None
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
@@ -170,9 +181,43 @@ class KVRayScheduler:
             clock = self._clocks[request.request_id] = RequestClock(arrival)
         return clock
 
+    def _ensure_fingerprint(self) -> Fingerprint | None:
+        """This engine's hash fingerprint, registered with the pool (which answers with the
+        other ones it saw for the same model: checked in a later step, never waited for)."""
+        if self._fingerprint is None:
+            fp = current_fingerprint(self.info.hash_algo)
+            if fp is None:
+                return None
+            self._fingerprint = fp
+            if fp.seed_source == "random per process":
+                self._warn_once("random-seed", "%s", random_seed_message(fp))
+            space = self.info.space
+            self._fingerprint_ref = self._manager.register_fingerprint.remote(
+                f"{space.namespace}@{space.layout}", fp.as_dict()
+            )
+        return self._fingerprint
+
+    def _check_fingerprint(self) -> None:
+        ref = self._fingerprint_ref
+        if ref is None or not ray.wait([ref], timeout=0)[0]:
+            return
+        self._fingerprint_ref = None
+        try:
+            others: list[dict[str, Any]] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            logger.warning("kvray: registering this engine's hash fingerprint failed: %s", exc)
+            return
+        if others and self._fingerprint is not None:
+            self._warn_once(
+                "fingerprint",
+                "%s",
+                mismatch_message(self.info.space.namespace, self._fingerprint, others),
+            )
+
     def on_new_request(self, request: Request) -> None:
         """Start the lookup as the request arrives, so that it is usually answered by the
         time the scheduler first considers the request."""
+        self._ensure_fingerprint()
         self._clock(request)
         if self.info.can_load and request.block_hashes:
             self._start_lookup(request, 0)
@@ -277,6 +322,22 @@ class KVRayScheduler:
                 self._space_id,
             )
             return 0
+        mine = self._ensure_fingerprint()
+        theirs = entry.get("hash")
+        if mine is not None and theirs is not None and theirs != mine.hash_domain:
+            # The prefill's blocks are under hashes this instance never derives: waiting
+            # for them would only add pd_wait_ms to every request.
+            self.stats.add("pd_hash_mismatches")
+            self._warn_once(
+                "pd-hash",
+                "the prefill instance hashes blocks in hash domain %s, this decode instance "
+                "with %s: none of its blocks can be found here, so decode requests do not wait "
+                "for them: %s",
+                theirs,
+                mine.describe(),
+                FIX,
+            )
+            return 0
         return min(int(entry["blocks"]), len(request.block_hashes))
 
     def _prefill_blocks_missing(self, rid: str, pending: _Lookup, found: int) -> None:
@@ -323,6 +384,7 @@ class KVRayScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
         self._report_finished()  # those finished outside a step's output (aborts)
+        self._check_fingerprint()
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = bool(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -471,13 +533,15 @@ class KVRayScheduler:
             isinstance(asked, dict) and asked.get("do_remote_decode")
         ):
             return None
-        return {
-            PARAMS_KEY: {
-                "pool": self.info.config.pool_name,
-                "space": self._space_id,
-                "blocks": st.next_save,
-            }
+        entry: dict[str, Any] = {
+            "pool": self.info.config.pool_name,
+            "space": self._space_id,
+            "blocks": st.next_save,
         }
+        fp = self._ensure_fingerprint()
+        if fp is not None:
+            entry["hash"] = fp.hash_domain
+        return {PARAMS_KEY: entry}
 
     def _release_blocks(self, rid: str, block_ids: list[int]) -> None:
         for block_id in block_ids:

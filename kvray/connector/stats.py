@@ -28,6 +28,7 @@ COUNTERS = (
     "lookup_us",
     "lookup_wait_steps",
     "load_wait_us",
+    "pd_hash_mismatches",
 )
 
 HELP = {
@@ -47,6 +48,7 @@ HELP = {
     "lookup_us": "Microseconds from sending lookups to the scheduler seeing their answers",
     "lookup_wait_steps": "Scheduler steps in which a request waited for its lookup",
     "load_wait_us": "Microseconds engine steps waited for pool loads (slowest rank)",
+    "pd_hash_mismatches": "Decode requests whose prefill hashes blocks differently (no wait)",
 }
 assert set(HELP) == set(COUNTERS)
 

@@ -130,7 +130,7 @@ class KVRayWorker:
 
     def __init__(self, info: InstanceInfo) -> None:
         self.info = info
-        handles = attach_pool(info.config)
+        handles = attach_pool(info.config, info.local_workers)
         self._call_timeout_s = handles.config.call_timeout_s
         self._pool_name = handles.config.name
         self._handles = handles

@@ -201,6 +201,37 @@ def test_staged_loads_what_shared_stored(pool, ray_cluster, tiny_model, baseline
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0)
 
 
+def test_hash_seed_mismatch_is_named_and_never_hits(
+    pool, ray_cluster, tiny_model, baseline, tmp_path
+):
+    """Real engines with different PYTHONHASHSEEDs (vLLM's NONE_HASH seed) derive other
+    block hashes for the same tokens: the second one gets no hit (never wrong bytes), and
+    says why at attach (and so does ``kvray status``); the same seed hits."""
+    spec = {"model": tiny_model, "runs": [[P1]],
+            "connector": _connector(model_namespace="tiny-seeds", load_async=False)}  # fmt: skip
+    a = run_engine(ray_cluster, tmp_path, "seed-1", {
+        **spec, "env": {"PYTHONHASHSEED": "1"}, "wait_saves_for": "e2e"})  # fmt: skip
+    same = run_engine(ray_cluster, tmp_path, "seed-1-again", {
+        **spec, "env": {"PYTHONHASHSEED": "1"}})  # fmt: skip
+    other = run_engine(ray_cluster, tmp_path, "seed-2", {
+        **spec, "env": {"PYTHONHASHSEED": "2"}})  # fmt: skip
+    for out in (a, same, other):
+        assert out["runs"][0]["outputs"][0] == baseline["P1"]
+    hits = [
+        (ln["hit_pool"], ln["loaded"]) for o in (a, same, other) for ln in request_lines(o["log"])
+    ]
+    assert hits == [(0, 0), (4, 4), (0, 0)], hits
+    assert "hashed differently" not in a["log"] + same["log"]
+    assert "hashed differently" in other["log"] and "PYTHONHASHSEED" in other["log"], other["log"][
+        -3000:
+    ]
+    mismatches = pool.stats().hash_mismatches()
+    (domains,) = [v for k, v in mismatches.items() if k.startswith("tiny-seeds@")]
+    assert sorted(d["instances"] for d in domains) == [1, 2]
+    assert {d["seed_source"] for d in domains} == {"PYTHONHASHSEED"}
+    assert "HASH MISMATCH for tiny-seeds@" in pool.stats().table()
+
+
 def _layerwise_keys(placement: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
     from kvray.keys import KeySpace, KVLayout
 

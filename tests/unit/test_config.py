@@ -141,7 +141,10 @@ def test_connector_extra_config_keys():
     [
         ({"backend": "redis"}, "backend"),
         ({"prefill_pp_layer_partition": "30,x", "prefill_pp_size": 2}, "comma-separated"),
-        ({"prefill_pp_layer_partition": "30,31"}, "one layer count per prefill PP stage"),
+        (
+            {"prefill_pp_layer_partition": "30,31", "prefill_pp_size": 3},
+            "one layer count per prefill PP stage",
+        ),
         ({"lookup_rpc_port": -1}, "lookup_rpc_port"),
         ({"load_asynch": True}, "unknown field"),
     ],
@@ -151,6 +154,18 @@ def test_connector_config_errors(data, fragment):
 
     with pytest.raises(ConfigError, match=fragment):
         validate(ConnectorConfig, data, source="kv_connector_extra_config")
+
+
+def test_seed_spellings():
+    """As the seeds write them: the partition alone gives the PP size (size *or*
+    partition), the protocol in any case, AscendStore's lookup_rpc_port accepted."""
+    cfg = ConnectorConfig.model_validate({"prefill_pp_layer_partition": [30, 31]})
+    assert cfg.prefill_pp_size == 2 and cfg.layer_partition(61) == [30, 31]
+    assert ConnectorConfig.model_validate({"lookup_rpc_port": 50051}).lookup_rpc_port == 50051
+    assert MooncakeConfig.model_validate({"protocol": "Ascend"}).protocol == "ascend"
+    assert MooncakeConfig.model_validate({"protocol": "TCP"}).protocol == "tcp"
+    with pytest.raises(ValueError, match="protocol"):
+        MooncakeConfig.model_validate({"protocol": "hccs"})
 
 
 def test_partition_must_match_model():

@@ -1,0 +1,154 @@
+"""The embedded default on real vLLM OpenAI servers: with nothing running and no Ray
+address configured, the first server's engine starts a node-local Ray and kvray pool (one
+log line says so), a second server's engine joins it and loads what the first stored, and
+the pool stops once both are gone. With an address configured, a cluster that does not
+answer and a pool that is not there are clear errors that end the server quickly."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import prompts
+from .test_pd_proxy import STARTUP_S, Server
+
+pytestmark = pytest.mark.e2e
+
+FAIL_S = 150
+"""An engine that cannot reach its pool must end well before Ray's ~2 minutes of retries
+plus startup; vLLM's own startup to the connector takes ~20-40 s on 2 cores."""
+
+
+def _serve(
+    name: str, model: str, env: dict[str, str], tmp: Path, extra: dict
+) -> tuple[Server, int]:
+    from kvray.master import free_port
+
+    port = free_port()
+    transfer = {
+        "kv_connector": "KVRayConnector",
+        "kv_connector_module_path": "kvray.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"load_async": False, "lookup_timeout_ms": 5000, **extra},
+    }
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "2048", "--no-enable-prefix-caching", "--seed", "0",
+           "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
+    return Server(name, cmd, env, tmp / f"{name}.log"), port
+
+
+def _complete(port: int, model: str, prompt: list[int]) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "return_token_ids": True}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def _lines(server: Server, n: int) -> list[dict[str, int]]:
+    deadline = time.monotonic() + 20
+    while len(server.lines()) < n:
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.2)
+    return server.lines()
+
+
+def _base_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        KVRAY_RUN_DIR=str(tmp / "run"),
+        KVRAY_EMBEDDED_LINGER_S="1",
+    )
+    return env
+
+
+def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_path):
+    from kvray.embedded import Files, read_state
+
+    env = _base_env(tmp_path)
+    pool_config = tmp_path / "pool.json"
+    pool_config.write_text(
+        json.dumps({"mooncake": {"global_segment_size": "256MB", "local_buffer_size": "32MB"}})
+    )
+    extra = {"pool_config": str(pool_config)}
+    files = Files(tmp_path / "run" / "kvray.kvray")
+    a, port_a = _serve("embedded-a", tiny_model, env, tmp_path, extra)
+    b = None
+    keeper = None
+    try:
+        a.wait_healthy(f"http://127.0.0.1:{port_a}/health", time.monotonic() + STARTUP_S)
+        assert "started the embedded kvray pool 'kvray'" in a.tail(10**8), a.tail()
+        state = read_state(files)
+        assert state is not None, a.tail()
+        keeper = psutil.Process(state["pid"])
+        p = prompts(7, 3 * 128 + 5)
+        first = _complete(port_a, tiny_model, p)
+        assert [(x["saved"], x["hit_pool"]) for x in _lines(a, 1)] == [(3, 0)], a.tail()
+
+        b, port_b = _serve("embedded-b", tiny_model, env, tmp_path, extra)
+        b.wait_healthy(f"http://127.0.0.1:{port_b}/health", time.monotonic() + STARTUP_S)
+        assert f"joined (keeper pid {keeper.pid}) the embedded kvray pool" in b.tail(10**8)
+        again = _complete(port_b, tiny_model, p)  # b computes nothing of it: the pool has it
+        assert again == first
+        assert [(x["hit_pool"], x["loaded"], x["failed"]) for x in _lines(b, 1)] == [(3, 3, 0)]
+
+        a.stop()
+        a = None
+        time.sleep(3)  # > linger: the pool stays for b
+        assert keeper.is_running(), files.log.read_text()[-3000:]
+        assert _complete(port_b, tiny_model, p) == first
+        b.stop()
+        b = None
+        deadline = time.monotonic() + 90
+        while keeper.is_running() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not keeper.is_running(), files.log.read_text()[-3000:]
+        assert not files.state.exists()
+    finally:
+        for s in (a, b):
+            if s is not None:
+                s.stop()
+        if keeper is not None and keeper.is_running():
+            keeper.terminate()
+            keeper.wait(60)
+
+
+@pytest.mark.parametrize("case", ["dead cluster", "no pool"])
+def test_vllm_serve_without_its_pool_fails_fast_naming_the_fix(
+    case, ray_cluster, tiny_model, tmp_path
+):
+    from kvray.master import free_port
+
+    env = _base_env(tmp_path)
+    if case == "dead cluster":
+        env["RAY_ADDRESS"] = f"127.0.0.1:{free_port()}"
+        expect = ["does not answer", "RAY_ADDRESS", "kvray up"]
+    else:
+        env["RAY_ADDRESS"] = ray_cluster
+        expect = ["no kvray pool 'absent'", "kvray up"]
+    server, _ = _serve("nopool", tiny_model, env, tmp_path, {"pool_name": "absent"})
+    try:
+        t0 = time.monotonic()
+        while server.proc.poll() is None and time.monotonic() - t0 < FAIL_S:
+            time.sleep(0.5)
+        log = server.tail(10**8)
+        assert server.proc.poll() not in (None, 0), f"still up or exited 0 after {FAIL_S} s"
+        for text in expect:
+            assert text in log, log[-4000:]
+        assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*.json"))
+    finally:
+        server.stop()

@@ -676,10 +676,11 @@ class ConnectorConfig(_Strict):
     backend: BackendName = "mooncake"
     """Storage backend of the pool; must match the pool the connector attaches to."""
     lookup_rpc_port: int = Field(0, ge=0, le=65535)
-    """AscendStoreConnector's port for the RPC between an instance's scheduler and its
-    workers' lookup server (one per instance). kvray needs no such port (its schedulers
-    reach their node's Lookup actor through Ray, which serves every instance), so the
-    value is accepted, so that existing configs work, and ignored."""
+    """AscendStoreConnector's lookup socket name: there it names the ZMQ IPC socket
+    between an instance's scheduler and its rank-0 worker's lookup server, distinct per
+    instance on a host. kvray has no such socket (its schedulers reach their node's
+    Lookup actor through Ray, which serves every instance), so the value is accepted,
+    so that existing configs work, and ignored."""
     load_async: bool = False
     """Load pool hits asynchronously (reported through ``get_finished``)."""
     consumer_is_to_put: bool = False

@@ -24,14 +24,15 @@ import numpy as np
 from kvray.embedded import connect
 from kvray import Pool
 import ray
+data = (np.arange(4096) % 251).astype(np.uint8)
 how = connect(None, "kvray-emb", "emb", sys.argv[1], 1)
 pool = Pool.attach("emb", "kvray-emb")
 out = {"how": how, "address": ray.get_runtime_context().gcs_address}
 if sys.argv[2] == "put":
-    pool.put("blk", np.arange(4096, dtype=np.uint8) % 251)
+    pool.put("blk", data)
 else:
     got = pool.get("blk", shape=(4096,), dtype=np.uint8)
-    out["same"] = got is not None and bool((got == np.arange(4096) % 251).all())
+    out["same"] = got is not None and bool((got == data).all())
 pool.close()
 print(json.dumps(out), flush=True)
 sys.stdin.readline()  # stay an engine of the pool until told to go

@@ -171,35 +171,45 @@ def _start_keeper(
 ) -> dict[str, Any]:
     files.state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kvray.embedded", "--namespace", namespace, "--name", name]
-    cmd += ["--world-size", str(world_size)]
+    cmd += ["--world-size", str(world_size), "--daemonize"]
     if pool_config:
         cmd += ["--config", pool_config]
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     with files.log.open("w") as log:
-        proc = subprocess.Popen(
+        # --daemonize: the keeper forks away from this process (vLLM kills its engines'
+        # process trees at shutdown; the pool must outlive the engine that started it)
+        # and prints its pid.
+        out = subprocess.run(
             cmd,
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE,
+            stderr=log,
             env=env,
-            start_new_session=True,  # not in the engine's process group: outlives it
             close_fds=True,
+            text=True,
+            timeout=60,
         )
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        raise EmbeddedPoolError(
+            f"the embedded kvray pool {name!r} did not start (exit {out.returncode}); its log "
+            f"{files.log} ends:\n{_tail(files.log)}"
+        )
+    pid = int(out.stdout.strip())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = read_state(files)
-        if state is not None and state.get("pid") == proc.pid:
+        if state is not None and state.get("pid") == pid:
             return state
-        if proc.poll() is not None:
+        if not _alive(pid):
             raise EmbeddedPoolError(
-                f"the embedded kvray pool {name!r} did not start (exit {proc.returncode}); "
-                f"its log {files.log} ends:\n{_tail(files.log)}"
+                f"the embedded kvray pool {name!r} did not start (its keeper, pid {pid}, "
+                f"exited); its log {files.log} ends:\n{_tail(files.log)}"
             )
         time.sleep(0.1)
-    proc.kill()
-    proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     raise EmbeddedPoolError(
         f"the embedded kvray pool {name!r} was not up after {timeout_s:.0f} s; its log "
         f"{files.log} ends:\n{_tail(files.log)}"
@@ -385,7 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="kvray")
     parser.add_argument("--config", help="pool config file (YAML or JSON)")
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument(
+        "--daemonize", action="store_true", help="fork away, print the keeper's pid, return"
+    )
     args = parser.parse_args(argv)
+    if args.daemonize:
+        pid = os.fork()
+        if pid:
+            print(pid, flush=True)
+            os._exit(0)
+        os.setsid()  # its own session, and (its parent gone) no engine's descendant
+        os.dup2(2, 1)  # the log
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     logging.basicConfig(level=logging.INFO)
     linger = float(os.environ.get("KVRAY_EMBEDDED_LINGER_S", "5"))
     return keep(args.namespace, args.name, args.config, args.world_size, linger)

@@ -358,6 +358,7 @@ def cross_node(args: argparse.Namespace) -> int:
     reps = fetched["reps_s"]
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in reps.items()}
     results = {
+        "meta": run_meta(order="per rep kvray and raw in turn, order alternated", reps=args.reps),
         "gbps": {"kvray_get_cross_node": gbps["kvray"], "raw_get_cross_node": gbps["raw"]},
         "reps_s": reps,
         "params": {"blocks": blocks, "block_bytes": block, "reps": args.reps,

@@ -225,13 +225,16 @@ def run_meta(**extra: Any) -> dict[str, Any]:
 
 
 def git_commit(cwd: Path) -> str:
-    """The measured code: HEAD, ``+dirty`` when the tree has uncommitted changes."""
+    """The measured code: HEAD, ``+dirty`` when the tree has uncommitted changes (outside
+    ``bench-results/``)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=cwd
         ).stdout.strip()
+        # Results written by earlier benchmarks of the same run are not code changes.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":!bench-results"],  # fmt: skip
             capture_output=True,
             text=True,
             cwd=cwd,

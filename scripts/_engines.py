@@ -233,8 +233,15 @@ def git_commit(cwd: Path) -> str:
         ).stdout.strip()
         # Results written by earlier benchmarks of the same run are not code changes.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-             ":!bench-results"],  # fmt: skip
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!bench-results",
+            ],  # fmt: skip
             capture_output=True,
             text=True,
             cwd=cwd,

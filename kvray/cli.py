@@ -10,11 +10,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from kvray import launcher
 from kvray.config import PoolConfig
-from kvray.errors import KVRayError
+from kvray.errors import ConfigError, KVRayError
 
 
 def _connect(args: argparse.Namespace) -> None:
@@ -27,15 +28,29 @@ def _pool_ref(args: argparse.Namespace) -> tuple[str, str]:
     return args.name or "kvray", args.namespace or "kvray"
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace) -> PoolConfig:
     # Flags given on the command line override the config file.
     flags = {"name": args.name, "namespace": args.namespace, "world_size": args.world_size}
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.config:
         base = PoolConfig.from_file(args.config)
-        config = PoolConfig.from_dict({**base.model_dump(), **overrides}, source=args.config)
-    else:
-        config = PoolConfig.from_dict(overrides, source="command line")
+        return PoolConfig.from_dict({**base.model_dump(), **overrides}, source=args.config)
+    return PoolConfig.from_dict(overrides, source="command line")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvray import doctor
+
+    config = _load_config(args)
+    findings = doctor.check_pool(config, os.environ, doctor.Host.probe(), hash_seed=False)
+    for f in findings:
+        if f.level == "warning":
+            print(f.line(), file=sys.stderr)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise ConfigError(
+            "refusing to start the pool (`kvray doctor` checks):\n" + doctor.report(errors)
+        )
     args.namespace = config.namespace
     _connect(args)
     print(
@@ -50,6 +65,57 @@ def cmd_up(args: argparse.Namespace) -> int:
     where = f"{config.backend} at {handles.server_address} ({mode})"
     print(f"kvray pool {config.name!r} is up: {where}")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kvray import doctor
+    from kvray.embedded import _reachable
+    from kvray.pool import collect_status
+
+    findings: list[doctor.Finding] = []
+    try:
+        config: PoolConfig | None = _load_config(args)
+    except KVRayError as exc:
+        findings.append(doctor.Finding("error", "config", str(exc)))
+        config = None
+    if config is not None:
+        findings += doctor.check_pool(config, os.environ, doctor.Host.probe())
+        findings += doctor.check_reachable(config)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "auto":
+        why = _reachable(address)
+        if why is not None:
+            findings.append(
+                doctor.Finding(
+                    "error",
+                    "Ray cluster",
+                    f"{address} (--address / RAY_ADDRESS) does not answer ({why})",
+                    "engines and kvray's CLI join the pool's Ray cluster there",
+                    "start it (`ray start --head`), fix the address, or unset RAY_ADDRESS to "
+                    "let engines run an embedded pool",
+                )
+            )
+        else:
+            _connect(args)
+            try:
+                status = asyncio.run(collect_status(launcher.attach(*_pool_ref(args))))
+            except KVRayError as exc:
+                findings.append(doctor.Finding("warning", "running pool", str(exc)))
+            else:
+                down = [r for r in status.ranks if not r.alive]
+                findings.append(
+                    doctor.Finding(
+                        "error" if down else "ok",
+                        "running pool",
+                        f"pool {status.name!r}: {len(status.ranks) - len(down)} of "
+                        f"{len(status.ranks)} client(s) up"
+                        + "".join(f"; {r.node} slot {r.rank}: {r.error}" for r in down),
+                        fix="see `kvray status`" if down else "",
+                    )
+                )
+                findings += doctor.check_fingerprints(status.fingerprints)
+    print(doctor.report(findings))
+    return 1 if any(f.level == "error" for f in findings) else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -83,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show a pool's ranks and counters")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(fn=cmd_status)
+    doc = sub.add_parser(
+        "doctor",
+        help="check a pool config, this host and the environment (and the running pool, "
+        "with --address / RAY_ADDRESS) for known traps; exit 1 on an error",
+    )
+    doc.add_argument("--config", help="pool config file (YAML or JSON, see configs/)")
+    doc.add_argument("--world-size", type=int, help="ranks to serve (default 1)")
+    doc.set_defaults(fn=cmd_doctor)
     down = sub.add_parser("down", help="stop a pool and its embedded servers")
     down.set_defaults(fn=cmd_down)
     args = parser.parse_args(argv)

@@ -140,6 +140,22 @@ def check_host_transfers(pool: PoolConfig) -> None:
         )
 
 
+_doctored: set[str] = set()
+
+
+def _doctor_once(pool: PoolConfig) -> None:
+    """``kvray doctor``'s offline checks of the pool on this engine's node and environment,
+    logged once per process (the scheduler and workers of one process attach alike)."""
+    from kvray import doctor
+
+    if pool.name in _doctored:
+        return
+    _doctored.add(pool.name)
+    for f in doctor.check_pool(pool, os.environ, doctor.Host.probe(), hash_seed=False):
+        if f.level != "ok":
+            logger.warning("kvray doctor: %s", f.line())
+
+
 def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     """Join the Ray cluster (:func:`kvray.embedded.connect`: the configured one, this
     node's, or the node's embedded pool) and find the pool (handles for this node)."""
@@ -161,6 +177,7 @@ def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
             "the engine run an embedded pool on its node)"
         ) from exc
     check_host_transfers(handles.config)
+    _doctor_once(handles.config)
     if handles.config.backend != cfg.backend:
         raise ConfigError(
             f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "

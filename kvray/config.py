@@ -681,6 +681,8 @@ class ConnectorConfig(_Strict):
     instance on a host. kvray has no such socket (its schedulers reach their node's
     Lookup actor through Ray, which serves every instance), so the value is accepted,
     so that existing configs work, and ignored."""
+    mooncake_rpc_port: int = Field(0, ge=0, le=65535)
+    """AscendStoreConnector's deprecated name of ``lookup_rpc_port``: ignored alike."""
     load_async: bool = False
     """Load pool hits asynchronously (reported through ``get_finished``)."""
     consumer_is_to_put: bool = False

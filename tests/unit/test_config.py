@@ -162,6 +162,7 @@ def test_seed_spellings():
     cfg = ConnectorConfig.model_validate({"prefill_pp_layer_partition": [30, 31]})
     assert cfg.prefill_pp_size == 2 and cfg.layer_partition(61) == [30, 31]
     assert ConnectorConfig.model_validate({"lookup_rpc_port": 50051}).lookup_rpc_port == 50051
+    assert ConnectorConfig.model_validate({"mooncake_rpc_port": 1}).mooncake_rpc_port == 1
     assert MooncakeConfig.model_validate({"protocol": "Ascend"}).protocol == "ascend"
     assert MooncakeConfig.model_validate({"protocol": "TCP"}).protocol == "tcp"
     with pytest.raises(ValueError, match="protocol"):

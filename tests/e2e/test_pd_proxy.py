@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,7 +284,11 @@ def test_decode_waits_for_the_prefill_blocks_it_was_told_about(pd, baseline):
         f"{pd.url['prefill']}/v1/completions",
         completion(pd, P3, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
     )
-    assert pre["kv_transfer_params"] == told, "what a prefill answer tells the decode"
+    params = pre["kv_transfer_params"]["kvray"]
+    # What a prefill answer tells the decode: the same, plus its hash domain (a decode of
+    # another domain would not wait: this one did, and loads below).
+    assert {k: v for k, v in params.items() if k != "hash"} == told["kvray"], params
+    assert re.fullmatch(r"[0-9a-f]{16}", params["hash"]), params
     t.join(60)
     assert answer["choices"][0]["token_ids"] == baseline["P3"]
     (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvray.errors import ConfigError, EmbeddedPoolError
+from kvray.shm import process_gone
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,7 @@ def _locked(path: Path, timeout_s: float | None) -> Iterator[bool]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not process_gone(pid)
 
 
 def read_state(files: Files) -> dict[str, Any] | None:

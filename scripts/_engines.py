@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -157,6 +158,27 @@ def start_bench_pool(
         spec["master"] = master
     pool = Pool.start(PoolConfig.from_dict(spec, environ={}))
     return pool, ray.get_runtime_context().gcs_address
+
+
+def interleaved(
+    configs: list[str], lengths: list[int], rates: list[float], reps: int, block: int
+) -> Iterator[tuple[int, float, int, int, list[int], list[int], list[str]]]:
+    """The benchmarks' schedule: for every (input length, hit rate, rep) the prefix (whole
+    ``block``-token blocks, ``rate`` of the input), a seed prompt and a probe prompt that
+    share it, and the configurations in the order they take their turns (rotated per rep):
+    ``(length, rate, rep, prefix_len, seed, probe, order)``."""
+    import numpy as np
+
+    for length in lengths:
+        for rate in rates:
+            prefix_len = int(rate * length) // block * block
+            for rep in range(reps):
+                rng = np.random.default_rng([length, int(rate * 100), rep])
+                prefix = rng.integers(3, 1000, prefix_len).tolist()
+                seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                k = rep % len(configs)
+                yield length, rate, rep, prefix_len, seed, probe, configs[k:] + configs[:k]
 
 
 def start_peer_master(

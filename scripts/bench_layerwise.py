@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 from _engines import (  # noqa: E402
     Engine,
     engine_env,
+    interleaved,
     kvray_transfer_config,
     run_meta,
     start_bench_pool,
@@ -91,7 +92,6 @@ def main() -> int:
     if not all(0 < r < 1 for r in rates):
         parser.error("--rates must be hit rates in (0, 1): layer-wise only matters on hits")
 
-    import numpy as np
     import ray
 
     from kvray.tiny_model import build_prefill_bound_llama
@@ -112,25 +112,14 @@ def main() -> int:
             )
             engines[name].start()
         total = len(lengths) * len(rates) * args.reps
-        done = 0
-        for length in lengths:
-            for rate in rates:
-                prefix_len = int(rate * length) // BLOCK * BLOCK
-                for rep in range(args.reps):
-                    rng = np.random.default_rng([length, int(rate * 100), rep])
-                    prefix = rng.integers(3, 1000, prefix_len).tolist()
-                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    k = rep % len(configs)
-                    for name in configs[k:] + configs[:k]:  # rotated per rep
-                        ttft = engines[name].turn(seed, probe)["ttft_s"]
-                        reps.setdefault((name, length, rate), []).append(ttft)
-                        measured[name] += 1
-                    done += 1
-                    last = "  ".join(
-                        f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs
-                    )
-                    log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
+        schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
+        for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
+            for name in order:
+                ttft = engines[name].turn(seed, probe)["ttft_s"]
+                reps.setdefault((name, length, rate), []).append(ttft)
+                measured[name] += 1
+            last = "  ".join(f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs)
+            log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
         checks = {name: check_loads(engines[name], measured[name]) for name in configs}
     finally:
         for e in engines.values():

@@ -53,6 +53,7 @@ from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     Engine,
     engine_env,
+    interleaved,
     kvray_transfer_config,
     run_meta,
     start_bench_pool,
@@ -116,7 +117,6 @@ def main() -> int:
     if not all(0 <= r < 1 for r in rates):
         parser.error("--rates must be hit rates in [0, 1)")
 
-    import numpy as np
     import ray
 
     from kvray.config import MooncakeMasterConfig
@@ -144,27 +144,16 @@ def main() -> int:
             engines[name] = Engine(name, engine_spec(name, model, max(lengths) + 16), e_env, tmp)
             engines[name].start()
         total = len(lengths) * len(rates) * args.reps
-        done = 0
-        for length in lengths:
-            for rate in rates:
-                prefix_len = int(rate * length) // BLOCK * BLOCK
-                for rep in range(args.reps):
-                    rng = np.random.default_rng([length, int(rate * 100), rep])
-                    prefix = rng.integers(3, 1000, prefix_len).tolist()
-                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    k = rep % len(configs)
-                    for name in configs[k:] + configs[:k]:  # rotated per rep
-                        needs_seed = prefix_len > 0 and name != "full"
-                        answer = engines[name].turn(seed if needs_seed else None, probe)
-                        check_cached(name, answer["cached_tokens"], prefix_len, length)
-                        reps.setdefault((name, length, rate), []).append(answer["ttft_s"])
-                        cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
-                    done += 1
-                    last = "  ".join(
-                        f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs
-                    )
-                    log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
+        schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
+        for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
+            for name in order:
+                needs_seed = prefix_len > 0 and name != "full"
+                answer = engines[name].turn(seed if needs_seed else None, probe)
+                check_cached(name, answer["cached_tokens"], prefix_len, length)
+                reps.setdefault((name, length, rate), []).append(answer["ttft_s"])
+                cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
+            last = "  ".join(f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs)
+            log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
     finally:
         for e in engines.values():
             e.close()

@@ -69,7 +69,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvray import doctor
-    from kvray.embedded import _reachable
+    from kvray.master import why_unreachable
     from kvray.pool import collect_status
 
     findings: list[doctor.Finding] = []
@@ -83,7 +83,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         findings += doctor.check_reachable(config)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address and address != "auto":
-        why = _reachable(address)
+        why = why_unreachable(address)
         if why is not None:
             findings.append(
                 doctor.Finding(

@@ -334,7 +334,7 @@ def _hash_seed(env: Mapping[str, str]) -> list[Finding]:
 
 def check_reachable(cfg: PoolConfig, timeout_s: float = 2.0) -> list[Finding]:
     """The external servers ``cfg`` names answer (one TCP connect each)."""
-    from kvray.embedded import _reachable
+    from kvray.master import why_unreachable
 
     targets: list[tuple[str, str]] = []
     if cfg.backend == "mooncake" and cfg.mooncake.master_server_address:
@@ -351,7 +351,7 @@ def check_reachable(cfg: PoolConfig, timeout_s: float = 2.0) -> list[Finding]:
         targets.append(("memcache.meta_service_url", url))
     out = []
     for name, address in targets:
-        why = _reachable(address, timeout_s)
+        why = why_unreachable(address, timeout_s)
         if why is None:
             out.append(Finding("ok", "reachability", f"{name} {address} answers"))
         else:

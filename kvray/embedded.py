@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvray.errors import ConfigError, EmbeddedPoolError
+from kvray.master import why_unreachable
 from kvray.shm import process_gone
 
 logger = logging.getLogger(__name__)
@@ -218,20 +219,6 @@ def _tail(path: Path, n: int = 3000) -> str:
         return "(no log)"
 
 
-def _reachable(address: str, timeout_s: float = 3.0) -> str | None:
-    """None when ``address`` (host:port, Ray's GCS) accepts a connection, else why not."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-    except ValueError:
-        return f"{address!r} is not host:port"
-    except OSError as exc:
-        return str(exc.strerror or exc)
-    return None
-
-
 def _local_cluster(any_gcs: bool = False) -> str | None:
     """The Ray cluster ``ray start`` made on this node (the address Ray recorded for it),
     if it answers; a stale record is ignored. ``any_gcs`` (``RAY_ADDRESS=auto``): else any
@@ -246,7 +233,7 @@ def _local_cluster(any_gcs: bool = False) -> str | None:
     except Exception:  # noqa: BLE001 - Ray's private helpers moved: no detection
         return None
     for address in candidates:
-        if address and _reachable(address, 1.0) is None:
+        if address and why_unreachable(address, 1.0) is None:
             return str(address)
     return None
 
@@ -281,7 +268,7 @@ def connect(
         ray_init(local, namespace=namespace)
         return f"this node's Ray cluster at {local} ({source}=auto)"
     if address:
-        why = _reachable(address)
+        why = why_unreachable(address)
         if why is not None:
             raise ConfigError(
                 f"the Ray cluster at {address} ({source}) does not answer ({why}): start it "

@@ -52,12 +52,23 @@ def terminate(proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float)
         proc.wait()
 
 
+def why_unreachable(address: str, timeout_s: float = 3.0) -> str | None:
+    """None when ``address`` (``host:port``) accepts a connection, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except ValueError:
+        return f"{address!r} is not host:port"
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
+
+
 def check_reachable(host: str, port: int, timeout_s: float, error: str) -> None:
     """Connect once; on failure raise BackendUnavailableError(``error``: reason)."""
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise BackendUnavailableError(error.format(reason=exc.strerror or exc)) from exc
+    why = why_unreachable(f"{host}:{port}", timeout_s)
+    if why is not None:
+        raise BackendUnavailableError(error.format(reason=why))
 
 
 def find_master_binary() -> str:

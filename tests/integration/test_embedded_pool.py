@@ -99,9 +99,9 @@ def test_engines_share_the_embedded_pool_and_the_last_one_stops_it(tmp_path):
         log = files.log.read_text()
         assert "no engine uses the pool any more" in log and "stopped" in log, log[-3000:]
         # Nothing of its Ray cluster is left: the GCS port no longer answers.
-        from kvray.embedded import _reachable
+        from kvray.master import why_unreachable
 
-        assert _reachable(a["address"], 1.0) is not None
+        assert why_unreachable(a["address"], 1.0) is not None
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:

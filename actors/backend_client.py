@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ from kvray.backends import KeyStatus, make_backend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.launcher import on_this_node
+from kvray.ledger import FLUSH_S, Entries, Seen, block_digest
+from kvray.naming import manager_name
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
@@ -38,6 +41,45 @@ class BackendClientActor:
         # the lower tier (the manager makes it first and hands it over).
         assert (ssd is not None) == config.ssd_tier, "an SSD actor exactly with an ssd tier"
         self._ssd: Any = ssd
+        self._config = config
+        self._changes: Entries = []
+        self._reporter: asyncio.Task[None] | None = None
+
+    def _note(self, keys: Sequence[str], statuses: Sequence[KeyStatus], what: Seen) -> None:
+        """Remember blocks stored or removed, for the pool's ledger (sent every FLUSH_S)."""
+        now = time.time()
+        self._changes.extend(
+            (block_digest(k), int(what), now)
+            for k, s in zip(keys, statuses, strict=True)
+            if s is KeyStatus.OK
+        )
+        if self._reporter is None:
+            self._reporter = asyncio.get_running_loop().create_task(self._report())
+
+    async def _report(self) -> None:
+        manager, warned = None, False
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if not self._changes:
+                continue
+            changes, self._changes = self._changes, []
+            try:
+                if manager is None:
+                    manager = await asyncio.to_thread(
+                        ray.get_actor,
+                        manager_name(self._config.name),
+                        namespace=self._config.namespace,
+                    )
+                await manager.ledger_record.remote(changes)
+            except (ValueError, ray.exceptions.RayError) as exc:
+                manager = None
+                if not warned:
+                    warned = True
+                    logger.warning(
+                        "kvray BackendClient: cannot report to the pool's ledger "
+                        "(%s): its misses read as never stored",
+                        exc,
+                    )
 
     async def probe(self) -> dict[str, Any]:
         return {
@@ -48,6 +90,11 @@ class BackendClientActor:
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        statuses = await self._put(batch, overwrite)
+        self._note(batch.keys, statuses, Seen.STORED)
+        return statuses
+
+    async def _put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]:
         ssd = self._ssd
         if ssd is None:
             return await self._store.put(batch, overwrite=overwrite)
@@ -89,13 +136,14 @@ class BackendClientActor:
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         statuses = await self._store.remove(keys, force=force)
         ssd = self._ssd
-        if ssd is None:
-            return statuses
-        lower = await ssd.remove.remote(list(keys), force)
-        return [
-            KeyStatus.OK if KeyStatus.OK in (d, s) else d
-            for d, s in zip(statuses, lower, strict=True)
-        ]
+        if ssd is not None:
+            lower = await ssd.remove.remote(list(keys), force)
+            statuses = [
+                KeyStatus.OK if KeyStatus.OK in (d, s) else d
+                for d, s in zip(statuses, lower, strict=True)
+            ]
+        self._note(keys, statuses, Seen.REMOVED)
+        return statuses
 
     async def map_region(self, spec: RegionSpec) -> None:
         """Map (and register) a region before its first transfer: an engine calls this

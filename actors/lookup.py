@@ -14,9 +14,12 @@ from kvray.backends import make_backend
 from kvray.config import PoolConfig
 from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import on_this_node
-from kvray.lookup import LookupService
-from kvray.naming import ssd_name
+from kvray.ledger import FLUSH_S, Ledger
+from kvray.lookup import Answer, LookupService
+from kvray.naming import manager_name, ssd_name
 from kvray.ray_env import normal_priority
+
+logger = logging.getLogger(__name__)
 
 
 class LookupActor:
@@ -28,8 +31,41 @@ class LookupActor:
         self._config = config
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
-        self._service = LookupService(backend, lower)
+        self._service = LookupService(backend, lower, Ledger())
         self._ssd: dict[int, Any] = {}
+        self._follower: asyncio.Task[None] | None = None
+
+    def _ensure_follower(self) -> None:
+        # Started from the first async call: __init__ runs before the actor's loop does.
+        if self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(self._follow_ledger())
+
+    async def _follow_ledger(self) -> None:
+        """Follow the manager's ledger (what tells an evicted block from one never
+        stored): one small call every FLUSH_S, never on a lookup's path."""
+        seq, manager, warned = 0, None, False
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            try:
+                if manager is None:
+                    manager = await asyncio.to_thread(
+                        ray.get_actor,
+                        manager_name(self._config.name),
+                        namespace=self._config.namespace,
+                    )
+                seq, entries, full, mixed = await manager.ledger_since.remote(seq)
+            except (ValueError, ray.exceptions.RayError) as exc:
+                manager = None
+                if not warned:
+                    warned = True
+                    logger.warning(
+                        "kvray Lookup: cannot follow the pool's ledger (%s): misses "
+                        "read as never stored until it answers",
+                        exc,
+                    )
+                continue
+            self._service.ledger.apply(entries, full)  # type: ignore[union-attr]
+            self._service.mixed_hashing = set(mixed)
 
     async def _ssd_exists(self, rank: int, keys: list[str]) -> list[bool]:
         """The SSD tier of this node's slot ``rank``: SSD blocks live on the disk of the
@@ -58,7 +94,8 @@ class LookupActor:
         timeout_s: float,
         want: int = 0,
         wait_s: float = 0.0,
-    ) -> int:
+    ) -> Answer:
+        self._ensure_follower()
         return await self._service.lookup(space, hashes, timeout_s, want, wait_s)
 
     async def snapshot(self) -> dict[str, Any]:

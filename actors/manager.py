@@ -18,6 +18,7 @@ from kvray import launcher
 from kvray.config import PoolConfig
 from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError
+from kvray.ledger import Entries, Ledger
 from kvray.master import MooncakeMaster
 from kvray.mmc_meta import MetaService
 
@@ -82,6 +83,9 @@ class PoolManagerActor:
         self._fingerprints: dict[str, dict[str, dict[str, Any]]] = {}
         """``namespace@layout`` -> hash domain -> how its instances hash blocks (vLLM's
         algorithm, the seed's source) and how many registered it."""
+        self._ledger = Ledger()
+        """The blocks the pool's clients stored and removed (what Lookup actors follow to
+        name their misses' reasons)."""
         self._making: dict[Any, asyncio.Lock] = {}
         self._gone_since: dict[str, float] = {}
         self._reconciler: asyncio.Task[None] | None = None
@@ -186,6 +190,17 @@ class PoolManagerActor:
         entry["instances"] += 1
         entry["last_seen"] = time.time()
         return [dict(v) for d, v in seen.items() if d != fp["hash_domain"]]
+
+    async def ledger_record(self, changes: Entries) -> None:
+        """A BackendClient's blocks stored and removed since its last report."""
+        self._ledger.record(changes)
+
+    async def ledger_since(self, seq: int) -> tuple[int, Entries, bool, list[str]]:
+        """A Lookup actor's update: the ledger's changes after ``seq`` (or all of it), and
+        the ``namespace@layout`` that instances hashing blocks differently share."""
+        new_seq, entries, full = self._ledger.since(seq)
+        mixed = [k for k, domains in self._fingerprints.items() if len(domains) > 1]
+        return new_seq, entries, full, mixed
 
     async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self._fingerprints

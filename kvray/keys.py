@@ -209,6 +209,13 @@ class KeySpace:
         ]
 
 
+def block_of_key(key: str) -> str:
+    """``namespace@layout@hash`` of a key string: the block, whatever the rank and layer
+    group it was stored for."""
+    parts = key.split(_SEP)
+    return f"{parts[0]}{_SEP}{parts[1]}{_SEP}{parts[-1]}"
+
+
 def _group_part(group: int, groups: int) -> str:
     return f"lg{group}of{groups}{_SEP}" if groups > 1 else ""
 

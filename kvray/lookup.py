@@ -19,12 +19,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from kvray.backends.base import Backend
 from kvray.errors import BackendError
 from kvray.keys import KeySpace
+from kvray.ledger import Ledger, Seen, block_digest
+from kvray.misses import counter
 from kvray.stats import RankStats
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,22 @@ def leading_hits(present: Sequence[bool], num_blocks: int, columns: int) -> int:
 POLL_S = 0.01
 """How often a waiting lookup asks the backend again."""
 
+
+class Answer(NamedTuple):
+    """A lookup's leading hits, and why the block after them missed (a reason of
+    :mod:`kvray.misses`; empty when nothing missed)."""
+
+    hits: int
+    miss: str = ""
+
+
+def first_miss(present: Sequence[bool], num_blocks: int, columns: int, hits: int) -> bool:
+    """Whether the first missing block (index ``hits``) is present in some column."""
+    if hits >= num_blocks:
+        return False
+    return any(present[c * num_blocks + hits] for c in range(columns))
+
+
 LowerTier = Callable[[int, list[str]], Awaitable[list[bool]]]
 """``(rank, keys) -> present``: the SSD tier of a rank, asked for what DRAM lacks."""
 
@@ -50,9 +69,20 @@ class LookupService:
     """Answers prefix lookups against one backend client (and, in a ``<backend>|ssd``
     pipeline, each rank's SSD tier for the keys DRAM lacks)."""
 
-    def __init__(self, backend: Backend, lower: LowerTier | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        lower: LowerTier | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
         self.backend = backend
         self.lower = lower
+        self.ledger = ledger
+        """What the pool stored and removed (a replica of the manager's): tells a
+        never-stored miss from an evicted or removed one. None: every miss is
+        ``not_stored``."""
+        self.mixed_hashing: set[str] = set()
+        """``namespace@layout`` that instances hashing blocks differently share."""
         self.stats = RankStats()
         self._warned: set[str] = set()
 
@@ -63,24 +93,25 @@ class LookupService:
         timeout_s: float,
         want: int = 0,
         wait_s: float = 0.0,
-    ) -> int:
-        """Number of leading ``hashes`` stored by every rank of ``space``; 0 on timeout or
-        backend failure. With ``want`` > 0, asks again until that many lead or ``wait_s``
-        passed (each ask bounded by ``timeout_s``)."""
+    ) -> Answer:
+        """Leading ``hashes`` stored by every rank of ``space`` (0 on timeout or backend
+        failure), and why the next one missed. With ``want`` > 0, asks again until that
+        many lead or ``wait_s`` passed (each ask bounded by ``timeout_s``)."""
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(hashes)
         if not hashes:
-            return 0
+            return Answer(0)
         keys = space.lookup_key_strs(hashes)
-        want = min(want, len(hashes))
+        n = len(hashes)
+        want = min(want, n)
         deadline = time.monotonic() + wait_s
         while True:
-            hits, from_ssd = await self._ask(space, keys, len(hashes), timeout_s)
+            hits, from_ssd, why = await self._ask(space, keys, n, timeout_s)
             if hits >= max(want, 0) and hits >= 0:
                 break
             if time.monotonic() + POLL_S > deadline:
                 if hits < 0:
-                    return 0
+                    return self._missed(Answer(0, why), n)
                 break
             # A slow or failed ask while waiting for a prefill is asked again: one busy
             # moment of the backend must not end the wait (seen on a loaded 2-core host:
@@ -88,13 +119,36 @@ class LookupService:
             await asyncio.sleep(POLL_S)
         self.stats.lookup_hit_blocks += hits
         self.stats.lookup_ssd_blocks += from_ssd
-        return hits
+        return self._missed(Answer(hits, why), n)
+
+    def _missed(self, answer: Answer, n: int) -> Answer:
+        if answer.miss:
+            name = counter(answer.miss)
+            setattr(self.stats, name, getattr(self.stats, name) + n - answer.hits)
+        return answer
+
+    def classify(
+        self, space: KeySpace, keys: list[str], n: int, present: Sequence[bool], hits: int
+    ) -> str:
+        """Why block ``hits`` (the first one missing) missed; see :mod:`kvray.misses`."""
+        if hits >= n:
+            return ""
+        if first_miss(present, n, space.columns, hits):
+            return "partial_ranks"
+        seen = self.ledger.state(block_digest(keys[hits])) if self.ledger else Seen.NEVER
+        if seen is Seen.STORED:
+            return "evicted"
+        if seen is Seen.REMOVED:
+            return "removed"
+        if f"{space.namespace}@{space.layout}" in self.mixed_hashing:
+            return "other_fingerprint"
+        return "not_stored"
 
     async def _ask(
         self, space: KeySpace, keys: list[str], n: int, timeout_s: float
-    ) -> tuple[int, int]:
-        """(leading hits, how many of them only the SSD tier has); hits is -1 for a
-        timed-out or failed ask (counted, logged once)."""
+    ) -> tuple[int, int, str]:
+        """(leading hits, how many of them only the SSD tier has, why the next one
+        missed); hits is -1 for a timed-out or failed ask (counted, logged once)."""
         try:
             present, dram = await asyncio.wait_for(
                 self._present(keys, n, space.layer_groups), timeout_s
@@ -104,15 +158,16 @@ class LookupService:
             self._warn_once(
                 "timeout", "lookup took longer than %.0f ms: counted as a miss", timeout_s * 1e3
             )
-            return -1, 0
+            return -1, 0, "lookup_timeout"
         except BackendError as exc:
             self.stats.lookup_errors += 1
             self._warn_once("error", "lookup failed (%s): counted as a miss", exc)
-            return -1, 0
+            return -1, 0, "lookup_error"
         hits = leading_hits(present, n, space.columns)
+        why = self.classify(space, keys, n, present, hits)
         if dram is None or not hits:
-            return hits, 0
-        return hits, hits - min(leading_hits(dram, n, space.columns), hits)
+            return hits, 0, why
+        return hits, hits - min(leading_hits(dram, n, space.columns), hits), why
 
     async def _present(
         self, keys: list[str], n: int, groups: int = 1

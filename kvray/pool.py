@@ -44,6 +44,7 @@ from kvray.errors import (
     TransferError,
 )
 from kvray.keys import BlockKey, KeySpace
+from kvray.lookup import Answer
 from kvray.naming import region_prefix
 from kvray.ray_env import ray_init
 from kvray.shm import SharedRegion
@@ -446,13 +447,23 @@ class Pool:
     ) -> int:
         """Leading blocks of ``block_hashes`` present for every rank of ``space`` (asked of
         this node's Lookup actor); a lookup that fails or times out is a miss (0), logged."""
+        return self.lookup_why(space, block_hashes, timeout_s=timeout_s).hits
+
+    def lookup_why(
+        self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None
+    ) -> Answer:
+        """:meth:`lookup`, with the reason the block after the leading hits missed (one of
+        :data:`kvray.misses.REASONS`; empty when all hit)."""
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
         ref = self._h.lookup().lookup.remote(space, list(block_hashes), t)
         try:
-            result: int = ray.get(ref, timeout=t + _LOOKUP_MARGIN_S)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            result: Answer = ray.get(ref, timeout=t + _LOOKUP_MARGIN_S)
+        except ray.exceptions.GetTimeoutError as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
-            return 0
+            return Answer(0, "lookup_timeout")
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("lookup failed (%s): counted as a miss", exc)
+            return Answer(0, "lookup_error")
         return result
 
     async def alookup(
@@ -461,11 +472,11 @@ class Pool:
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
         ref = (await self._h.alookup()).lookup.remote(space, list(block_hashes), t)
         try:
-            result: int = await asyncio.wait_for(ref, t + _LOOKUP_MARGIN_S)
+            result: Answer = await asyncio.wait_for(ref, t + _LOOKUP_MARGIN_S)
         except (TimeoutError, ray.exceptions.RayActorError) as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
             return 0
-        return result
+        return result.hits
 
     # ---- observability -------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvray.misses import LOOKUP_REASONS
+
 
 @dataclass
 class RankStats:
@@ -36,6 +38,14 @@ class RankStats:
     ssd_used_bytes: int = 0
     ssd_evictions: int = 0
     ssd_corrupt: int = 0
+    miss_not_stored: int = 0
+    """Looked-up blocks missed, by reason (kvray.misses): counted by the Lookup actors."""
+    miss_evicted: int = 0
+    miss_removed: int = 0
+    miss_partial_ranks: int = 0
+    miss_other_fingerprint: int = 0
+    miss_lookup_timeout: int = 0
+    miss_lookup_error: int = 0
 
     def merge(self, other: RankStats) -> RankStats:
         for f in fields(self):
@@ -48,6 +58,14 @@ class RankStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankStats:
         return cls(**{f.name: int(d.get(f.name, 0)) for f in fields(cls)})
+
+    def misses(self) -> dict[str, int]:
+        """Missed blocks by reason: the lookups' (``miss_*``), and the loads' (a get that
+        found nothing, ``gone_at_load``; one that failed, ``load_failed``)."""
+        out = {r: getattr(self, f"miss_{r}") for r in LOOKUP_REASONS}
+        out["gone_at_load"] = self.get_missed
+        out["load_failed"] = self.get_failed
+        return out
 
     @property
     def lookup_hit_rate(self) -> float:

@@ -72,6 +72,7 @@ class PoolStatus:
             ],
             "nodes": self.node_capacity(),
             "total": self.total.to_dict(),
+            "misses": self.total.misses(),
             "fingerprints": self.fingerprints,
         }
 
@@ -152,6 +153,12 @@ class PoolStatus:
         if len(capacity) > 1:
             lines.append(
                 "per node: " + ", ".join(f"{n} {_size_or_dash(b)}" for n, b in capacity.items())
+            )
+        misses = {r: n for r, n in self.total.misses().items() if n}
+        if misses:
+            lines.append(
+                "missed blocks by reason: "
+                + ", ".join(f"{r.replace('_', ' ')} {n}" for r, n in misses.items())
             )
         for keys, domains in self.hash_mismatches().items():
             each = "; ".join(

@@ -36,6 +36,8 @@ from kvray.connector.fingerprint import current as current_fingerprint
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
+from kvray.lookup import Answer
+from kvray.misses import counter as miss_counter
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -257,15 +259,17 @@ class KVRayScheduler:
                 "pool lookup slower than %.0f ms: counted as a miss",
                 self._timeout_s * 1e3,
             )
-            hit = 0
+            hit, why = 0, "lookup_timeout"
         else:
             self._lookups.pop(rid)
             try:
-                leading = int(ray.get(pending.ref))
+                answer: Answer = ray.get(pending.ref)
+                leading, why = answer.hits, answer.miss
             except ray.exceptions.RayError as exc:
                 self.stats.add("lookup_errors")
                 self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
                 leading = pending.want = 0
+                why = "lookup_error"
             if pending.first_block + leading < local and pending.first_block < local:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
@@ -281,6 +285,8 @@ class KVRayScheduler:
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", len(hashes) - local)
         self.stats.add("lookup_hit_blocks", hit)
+        if len(hashes) - local > hit:
+            self.stats.add(miss_counter(why or "not_stored"), len(hashes) - local - hit)
         # A full hit still leaves the last token to compute: vLLM needs one new token.
         hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
         external = max(0, hit_tokens - num_computed_tokens)

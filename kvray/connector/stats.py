@@ -11,6 +11,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvray.misses import REASONS
+from kvray.misses import counter as miss_counter
+
 COUNTERS = (
     "lookups",
     "lookup_blocks",
@@ -29,6 +32,7 @@ COUNTERS = (
     "lookup_wait_steps",
     "load_wait_us",
     "pd_hash_mismatches",
+    *(miss_counter(r) for r in REASONS),
 )
 
 HELP = {
@@ -49,6 +53,7 @@ HELP = {
     "lookup_wait_steps": "Scheduler steps in which a request waited for its lookup",
     "load_wait_us": "Microseconds engine steps waited for pool loads (slowest rank)",
     "pd_hash_mismatches": "Decode requests whose prefill hashes blocks differently (no wait)",
+    **{miss_counter(r): f"Blocks missed: {text}" for r, text in REASONS.items()},
 }
 assert set(HELP) == set(COUNTERS)
 
@@ -110,11 +115,25 @@ class KVRayPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for name in COUNTERS:
+            if name.startswith("miss_"):
+                continue
             counter = self._counter_cls(
                 name=f"vllm:kvray_{name}", documentation=HELP[name], labelnames=labelnames
             )
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+        # Misses by reason: one counter, labelled (vllm:kvray_missed_blocks_total{reason=...}).
+        missed = self._counter_cls(
+            name="vllm:kvray_missed_blocks",
+            documentation="Blocks the engine looked up or loaded and did not get from the "
+            "pool, by reason: " + "; ".join(f"{r}: {t}" for r, t in REASONS.items()),
+            labelnames=[*labelnames, "reason"],
+        )
+        for reason in REASONS:
+            self._counters[miss_counter(reason)] = {
+                idx: missed.labels(*values, reason)
+                for idx, values in per_engine_labelvalues.items()
             }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

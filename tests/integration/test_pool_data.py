@@ -174,3 +174,62 @@ def test_pool_remembers_the_block_geometry_of_each_key_layout(pool, prefix):
     assert ray.get(manager.claim_geometry.remote(other, "p16x4x64.p16x4x64")) == (
         "p16x4x64.p16x4x64"
     )
+
+
+def _eventually(check, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
+    """``check()``'s value once it is truthy (the ledger follows puts within ~0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_misses_are_named_by_reason(pool, prefix):
+    """Every miss says why: never stored, present on some ranks only, removed through
+    kvray, gone without kvray removing it (what an eviction looks like: here another
+    client of the same backend removes the block behind kvray's back). The counts reach
+    the pool's status per reason, in blocks."""
+    import asyncio
+
+    from kvray.backends import make_backend
+
+    space = KeySpace(prefix, KVLayout("float16", 16, 2, 64).tag(), tp_size=2)
+    hashes = chain_block_hashes(list(range(96)), 16)  # 6 blocks
+    block = np.ones(256, np.uint8)
+    t0 = pool.stats().total
+    before = t0.misses()
+    assert tuple(pool.lookup_why(space, hashes)) == (0, "not_stored")
+    pool.put([space.key(h, 0) for h in hashes], [block] * 6, rank=0)
+    pool.put([space.key(h, 1) for h in hashes[:4]], [block] * 4, rank=1)
+    assert tuple(pool.lookup_why(space, hashes)) == (4, "partial_ranks")
+    pool.put([space.key(h, 1) for h in hashes[4:]], [block] * 2, rank=1)
+    assert tuple(pool.lookup_why(space, hashes)) == (6, "")
+
+    assert (
+        pool.remove([space.key(hashes[5], r) for r in (0, 1)], rank=0, force=True)
+        == [KeyStatus.OK] * 2
+    )
+    got = _eventually(lambda: (a := tuple(pool.lookup_why(space, hashes))) == (5, "removed") and a)
+    assert got == (5, "removed"), pool.lookup_why(space, hashes)
+
+    raw = make_backend(pool.config, pool.server_address, contribute_memory=False)
+    try:
+        gone = [str(space.key(hashes[3], r)) for r in (0, 1)]
+        assert asyncio.run(raw.remove(gone, force=True)) == [KeyStatus.OK] * 2
+    finally:
+        asyncio.run(raw.close())
+    assert tuple(pool.lookup_why(space, hashes)) == (3, "evicted")
+
+    status = pool.stats()
+    t1 = status.total
+    after = t1.misses()
+    delta = {r: after[r] - before[r] for r in after if after[r] != before[r]}
+    # Until the ledger has the stores (~0.5 s), a removed block reads as never stored:
+    # the polls above may add some; every missed block has exactly one reason.
+    assert set(delta) == {"not_stored", "partial_ranks", "removed", "evicted"}, delta
+    assert delta["not_stored"] >= 6 and delta["partial_ranks"] == 2 and delta["evicted"] == 3
+    missed = (t1.lookup_blocks - t1.lookup_hit_blocks) - (t0.lookup_blocks - t0.lookup_hit_blocks)
+    assert sum(delta.values()) == missed
+    assert "missed blocks by reason: not stored" in status.table()

@@ -50,9 +50,9 @@ def test_lookup_waits_for_blocks_a_prefill_reported():
         return no_wait, asks, waited, partial
 
     no_wait, asks, waited, partial = asyncio.run(scenario())
-    assert (no_wait, asks) == (0, 1)
-    assert waited == 3 and backend.asks > asks + 2, "asked again until the 3 blocks were there"
-    assert partial == 3
+    assert (no_wait, asks) == ((0, "not_stored"), 1)
+    assert waited == (3, "not_stored") and backend.asks > asks + 2, "asked again until 3 were there"
+    assert partial == (3, "not_stored")
     assert service.stats.lookups == 3 and service.stats.lookup_hit_blocks == 6
 
 
@@ -83,11 +83,11 @@ def test_a_slow_ask_does_not_end_a_prefill_wait():
     backend.keys.update(space.rank_key_strs(hashes, 0))
     service = LookupService(backend)  # type: ignore[arg-type]
     waited = asyncio.run(service.lookup(space, hashes, 0.1, want=3, wait_s=5.0))
-    assert waited == 3 and service.stats.lookup_timeouts == 1
+    assert waited == (3, "") and service.stats.lookup_timeouts == 1
 
     plain = LookupService(SlowOnceExists())  # type: ignore[arg-type]
-    assert asyncio.run(plain.lookup(space, hashes, 0.1)) == 0
-    assert plain.stats.lookup_timeouts == 1
+    assert asyncio.run(plain.lookup(space, hashes, 0.1)) == (0, "lookup_timeout")
+    assert plain.stats.lookup_timeouts == 1 and plain.stats.miss_lookup_timeout == 3
 
 
 def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
@@ -111,9 +111,81 @@ def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
         return [k in on_ssd for k in keys]
 
     service = LookupService(backend, lower)  # type: ignore[arg-type]
-    assert asyncio.run(service.lookup(space, hashes, 1.0)) == 2
+    # block 2: rank 1 group 1 lacks it, the other columns have it
+    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (2, "partial_ranks")
     assert [rank for rank, _ in ssd_asks] == [1]
     assert set(ssd_asks[0][1]) == set(space.rank_key_strs(hashes[1:], 1, 1))
     assert service.stats.lookup_ssd_blocks == 1
     backend.keys = every - {space.rank_key_strs(hashes, 0, 0)[0]}  # rank 0 group 0: block 0
-    assert asyncio.run(LookupService(backend).lookup(space, hashes, 1.0)) == 0  # type: ignore[arg-type]
+    assert asyncio.run(LookupService(backend).lookup(space, hashes, 1.0)) == (0, "partial_ranks")  # type: ignore[arg-type]
+
+
+def test_misses_are_named_from_the_pools_ledger():
+    """The block after the leading hits names the miss: never stored, stored then gone
+    (evicted), removed through kvray, present on some ranks only, or never stored while
+    instances hashing the same model differently share the pool. All missed blocks of a
+    lookup count under that reason."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.ledger import Ledger, Seen, block_digest
+    from kvray.lookup import LookupService
+
+    space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    backend = FakeExists()
+    backend.keys = set(space.rank_key_strs(hashes[:1], 0)) | set(space.rank_key_strs(hashes[:1], 1))
+    ledger = Ledger()
+    service = LookupService(backend, ledger=ledger)  # type: ignore[arg-type]
+
+    def ask() -> tuple[int, str]:
+        return tuple(asyncio.run(service.lookup(space, hashes, 1.0)))  # type: ignore[return-value]
+
+    assert ask() == (1, "not_stored")
+    # rank 1's key of block 1 is the one the ledger knows: the reason is per block
+    ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 1)[0]), Seen.STORED, 1.0)])
+    assert ask() == (1, "evicted")
+    ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 0)[0]), Seen.REMOVED, 2.0)])
+    assert ask() == (1, "removed")
+    backend.keys.add(space.rank_key_strs(hashes[1:2], 0)[0])
+    assert ask() == (1, "partial_ranks")
+    backend.keys |= set(space.rank_key_strs(hashes[1:2], 1))
+    service.mixed_hashing = {"m@float32-b16-h1x8"}
+    assert ask() == (2, "other_fingerprint")
+    backend.keys |= set(space.lookup_key_strs(hashes))
+    assert ask() == (4, "")
+    s = service.stats
+    assert (s.miss_not_stored, s.miss_evicted, s.miss_removed) == (3, 3, 3)
+    assert (s.miss_partial_ranks, s.miss_other_fingerprint) == (3, 2)
+    assert s.lookup_blocks - s.lookup_hit_blocks == sum(
+        v for k, v in s.misses().items() if k not in ("gone_at_load", "load_failed")
+    )
+
+
+def test_ledger_followers_catch_up_and_forget_the_oldest():
+    from kvray.ledger import Ledger, Seen
+
+    S, R = int(Seen.STORED), int(Seen.REMOVED)
+    leader, follower = Ledger(capacity=4), Ledger(capacity=4)
+    leader.record([(1, S, 1.0), (2, S, 1.0), (3, S, 1.0)])
+    seq, entries, full = leader.since(0)
+    assert (seq, full) == (3, False)
+    follower.apply(entries, full)
+    leader.record([(2, R, 2.0)])
+    # a store reported late (another actor's flush) does not undo a later removal
+    leader.record([(2, S, 1.5)])
+    seq, entries, full = leader.since(seq)
+    assert entries == [(2, R, 2.0), (2, S, 1.5)] and not full
+    follower.apply(entries, full)
+    assert [follower.state(d) for d in (1, 2, 3, 9)] == [
+        Seen.STORED,
+        Seen.REMOVED,
+        Seen.STORED,
+        Seen.NEVER,
+    ]
+    leader.record([(d, S, 3.0) for d in range(10, 20)])  # past capacity: oldest forgotten
+    assert len(leader) == 4 and leader.state(1) is Seen.NEVER and leader.state(19) is Seen.STORED
+    _, entries, full = leader.since(seq)  # the log was trimmed past seq: the whole record
+    assert full and sorted(d for d, _, _ in entries) == [16, 17, 18, 19]
+    follower.apply(entries, full)
+    assert follower.state(2) is Seen.NEVER and follower.state(17) is Seen.STORED

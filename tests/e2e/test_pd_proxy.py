@@ -28,6 +28,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from kvray.misses import LOOKUP_REASONS, REASONS
+
 from .conftest import P1, P2, P3, assert_no_region_left, request_lines, start_pool
 
 pytestmark = pytest.mark.e2e
@@ -305,13 +307,16 @@ def test_proxy_health_reports_both_instances(pd):
     assert pre["served"] == dec["served"] and pre["in_flight"] == dec["in_flight"] == 0
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of a counter over its label sets on a vLLM server's /metrics."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a counter over its label sets (those with ``labels``) on a vLLM server's
+    /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]  # fmt: skip
-    assert values, f"{name} not on {url}/metrics"
+              if (line.startswith(name + "{") or line.startswith(name + " "))
+              and all(w in line for w in want)]  # fmt: skip
+    assert values, f"{name} {labels} not on {url}/metrics"
     return sum(values)
 
 
@@ -326,3 +331,11 @@ def test_connector_counters_on_vllm_metrics(pd, baseline):
     served = metric(pd.url["prefill"], "vllm:kvray_loaded_blocks_total")
     assert stored + served >= 4
     assert metric(pd.url["decode"], "vllm:kvray_saved_blocks_total") == 0
+    # Every block a lookup missed is counted under exactly one reason.
+    for url in pd.url["prefill"], pd.url["decode"]:
+        missed = metric(url, "vllm:kvray_lookup_blocks_total") - metric(
+            url, "vllm:kvray_lookup_hit_blocks_total"
+        )
+        by_reason = {r: metric(url, "vllm:kvray_missed_blocks_total", reason=r) for r in REASONS}
+        assert sum(v for r, v in by_reason.items() if r in LOOKUP_REASONS) == missed, by_reason
+    assert metric(pd.url["prefill"], "vllm:kvray_missed_blocks_total", reason="not_stored") >= 4

@@ -57,8 +57,14 @@ def test_multiconnector_exports_kvray_counters_to_prometheus(tmp_path):
         config, types, ["model_name", "engine"], {0: ["m", "0"]}
     )
     prom.observe({"KVRayConnector": {"loaded_blocks": 4, "pd_waits": 1}}, 0)
-    prom.observe({"KVRayConnector": {"loaded_blocks": 2}}, 0)
+    prom.observe({"KVRayConnector": {"loaded_blocks": 2, "miss_evicted": 3}}, 0)
+    prom.observe({"KVRayConnector": {"miss_evicted": 1, "miss_not_stored": 30}}, 0)
     labels = {"model_name": "m", "engine": "0"}
+    missed = "vllm:kvray_missed_blocks_total"
+    assert registry.get_sample_value(missed, {**labels, "reason": "evicted"}) == 4
+    assert registry.get_sample_value(missed, {**labels, "reason": "not_stored"}) == 30
+    assert registry.get_sample_value(missed, {**labels, "reason": "load_failed"}) == 0
+    assert registry.get_sample_value("vllm:kvray_miss_evicted_total", labels) is None
     assert registry.get_sample_value("vllm:kvray_loaded_blocks_total", labels) == 6
     assert registry.get_sample_value("vllm:kvray_pd_waits_total", labels) == 1
     assert registry.get_sample_value("vllm:kvray_saved_blocks_total", labels) == 0

@@ -16,10 +16,12 @@ from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.launcher import on_this_node
 from kvray.ledger import FLUSH_S, Entries, Seen, block_digest
+from kvray.metrics import export_forever
 from kvray.naming import manager_name
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
+from kvray.stats import RankStats
 from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,17 @@ class BackendClientActor:
         self._config = config
         self._changes: Entries = []
         self._reporter: asyncio.Task[None] | None = None
+        self._exporter: asyncio.Task[None] | None = None
+
+    def _ensure_exporter(self) -> None:
+        # Started from the first async call: __init__ runs before the actor's loop does.
+        if self._exporter is None:
+            self._exporter = asyncio.get_running_loop().create_task(
+                export_forever(self._config.name, "client", self._store.rank, self._metrics)
+            )
+
+    async def _metrics(self) -> tuple[RankStats, int | None]:
+        return self._store.stats, int(self._store.backend.info().get("segment_bytes") or 0)
 
     def _note(self, keys: Sequence[str], statuses: Sequence[KeyStatus], what: Seen) -> None:
         """Remember blocks stored or removed, for the pool's ledger (sent every FLUSH_S)."""
@@ -82,6 +95,7 @@ class BackendClientActor:
                     )
 
     async def probe(self) -> dict[str, Any]:
+        self._ensure_exporter()
         return {
             "rank": self._store.rank,
             "pid": os.getpid(),
@@ -90,6 +104,7 @@ class BackendClientActor:
         }
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        self._ensure_exporter()
         statuses = await self._put(batch, overwrite)
         self._note(batch.keys, statuses, Seen.STORED)
         return statuses

@@ -16,8 +16,10 @@ from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import on_this_node
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService
+from kvray.metrics import export_forever
 from kvray.naming import manager_name, ssd_name
 from kvray.ray_env import normal_priority
+from kvray.stats import RankStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +36,19 @@ class LookupActor:
         self._service = LookupService(backend, lower, Ledger())
         self._ssd: dict[int, Any] = {}
         self._follower: asyncio.Task[None] | None = None
+        self._exporter: asyncio.Task[None] | None = None
 
     def _ensure_follower(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
         if self._follower is None:
-            self._follower = asyncio.get_running_loop().create_task(self._follow_ledger())
+            loop = asyncio.get_running_loop()
+            self._follower = loop.create_task(self._follow_ledger())
+            self._exporter = loop.create_task(
+                export_forever(self._config.name, "lookup", None, self._metrics)
+            )
+
+    async def _metrics(self) -> tuple[RankStats, int | None]:
+        return self._service.stats, None
 
     async def _follow_ledger(self) -> None:
         """Follow the manager's ledger (what tells an evicted block from one never
@@ -85,6 +95,7 @@ class LookupActor:
         return present
 
     async def probe(self) -> dict[str, Any]:
+        self._ensure_follower()
         return {"node_id": self._node_id, "probe_hash": probe_hash()}
 
     async def lookup(

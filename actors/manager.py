@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from kvray import launcher
+from kvray import launcher, metrics
 from kvray.config import PoolConfig
 from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError
@@ -89,11 +89,45 @@ class PoolManagerActor:
         self._making: dict[Any, asyncio.Lock] = {}
         self._gone_since: dict[str, float] = {}
         self._reconciler: asyncio.Task[None] | None = None
+        self._exporter: asyncio.Task[None] | None = None
+        self._server_metrics: dict[str, float] = {}
 
     def _ensure_reconciler(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
         if self._reconciler is None:
-            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile())
+            loop = asyncio.get_running_loop()
+            self._reconciler = loop.create_task(self._reconcile())
+            if isinstance(self._server, MooncakeMaster):
+                self._exporter = loop.create_task(self._export_server())
+
+    async def _export_server(self) -> None:
+        """The embedded master's own view (capacity, used, keys, evictions) as the pool's
+        metrics, and for ``kvray status``."""
+        assert isinstance(self._server, MooncakeMaster)
+        url = f"http://{self._server.host}:{self._server.metrics_port}/metrics"
+        exporter, warned = None, False
+        while True:
+            try:
+                values = await asyncio.to_thread(metrics.scrape, url)
+                self._server_metrics = {k: v for k, v in values.items() if k in metrics.SERVER_KEYS}
+                if exporter is None:
+                    exporter = metrics.StatsExporter(self._config.name, "manager", self._node_id)
+                exporter.export_server(self._server_metrics)
+            except Exception as exc:  # metrics never fail the pool
+                if not warned:
+                    warned = True
+                    logger.warning(
+                        "pool %s: reading the master's metrics at %s failed (%s)",
+                        self._config.name,
+                        url,
+                        exc,
+                    )
+            await asyncio.sleep(metrics.EXPORT_S)
+
+    async def server_metrics(self) -> dict[str, float]:
+        """The embedded server's latest own counters (empty: none, or not read yet)."""
+        self._ensure_reconciler()
+        return dict(self._server_metrics)
 
     async def _reconcile(self) -> None:
         """Reconcile loop: forget the actors of nodes dead for GONE_NODE_FORGET_S."""

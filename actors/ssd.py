@@ -3,6 +3,7 @@ in the rank's placement-group bundle so that it writes the rank's own node's dis
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Sequence
@@ -12,9 +13,11 @@ from kvray.backends import KeyStatus
 from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
+from kvray.metrics import export_forever
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
+from kvray.stats import RankStats
 from kvray.transfer import TransferBatch
 
 
@@ -26,11 +29,15 @@ class SsdOffloadActor:
         assert config.ssd is not None, "launcher starts SSD actors only with an ssd section"
         self._tier = SsdBackend(config.ssd, rank)
         self._store = RankStore(self._tier, rank)
+        self._name = config.name
+        self._exporter: asyncio.Task[None] | None = None
 
     async def probe(self) -> dict[str, Any]:
+        self._ensure_exporter()
         return {"rank": self._store.rank, "pid": os.getpid(), "probe_hash": probe_hash()}
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        self._ensure_exporter()
         return await self._store.put(batch, overwrite=overwrite)
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
@@ -49,17 +56,29 @@ class SsdOffloadActor:
         await self._store.release_region(region_id)
 
     async def snapshot(self) -> dict[str, Any]:
+        self._ensure_exporter()
+        return {**self._store.snapshot(), "tier": self._tier_stats().to_dict()}
+
+    def _tier_stats(self) -> RankStats:
+        """What the tier adds to its client's counters (the rest the client counts)."""
         s = self._tier.stats
         usage = self._tier.usage()
-        return {
-            **self._store.snapshot(),
-            "tier": {
-                "ssd_blocks": usage["blocks"],
-                "ssd_used_bytes": usage["used_bytes"],
-                "ssd_evictions": s.evictions,
-                "ssd_corrupt": s.corrupt,
-            },
-        }
+        return RankStats(
+            ssd_blocks=usage["blocks"],
+            ssd_used_bytes=usage["used_bytes"],
+            ssd_evictions=s.evictions,
+            ssd_corrupt=s.corrupt,
+        )
+
+    def _ensure_exporter(self) -> None:
+        # Started from the first async call: __init__ runs before the actor's loop does.
+        if self._exporter is None:
+            self._exporter = asyncio.get_running_loop().create_task(
+                export_forever(self._name, "ssd", self._store.rank, self._metrics)
+            )
+
+    async def _metrics(self) -> tuple[RankStats, int | None]:
+        return self._tier_stats(), None
 
     async def close(self) -> None:
         await self._store.close()

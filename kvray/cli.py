@@ -122,9 +122,54 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvray.pool import collect_status
 
     _connect(args)
-    status = asyncio.run(collect_status(launcher.attach(*_pool_ref(args))))
-    print(json.dumps(status.to_dict(), indent=2) if args.json else status.table())
-    return 0 if all(r.alive for r in status.ranks) else 1
+    handles = launcher.attach(*_pool_ref(args))
+    if args.watch is None:
+        status = asyncio.run(collect_status(handles))
+        print(json.dumps(status.to_dict(), indent=2) if args.json else status.table())
+        return 0 if all(r.alive for r in status.ranks) else 1
+    return asyncio.run(_watch(handles, args.watch, args.count, args.json))
+
+
+async def _watch(
+    handles: launcher.PoolHandles, every_s: float, count: int | None, as_json: bool
+) -> int:
+    """``status --watch``: the table again every ``every_s`` with the rates since the last
+    one (until Ctrl-C, or ``count`` refreshes); on a terminal the screen is redrawn."""
+    import time
+
+    from kvray.pool import collect_status
+    from kvray.status import rates
+
+    if every_s <= 0:
+        raise ConfigError(f"--watch takes seconds > 0, got {every_s}")
+    tty = sys.stdout.isatty() and not as_json
+    prev, shown, rc = None, 0, 0
+    try:
+        while count is None or shown < count:
+            status = await collect_status(handles)
+            now = time.monotonic()
+            rate = rates(prev[1], status, now - prev[0]) if prev else None
+            if as_json:
+                print(json.dumps({"status": status.to_dict(), "rates": rate}), flush=True)
+            else:
+                head = "\x1b[H\x1b[2J" if tty else ("" if shown == 0 else "\n")
+                line = (
+                    time.strftime("%H:%M:%S")
+                    + "  "
+                    + (
+                        "  ".join(f"{k} {v}" for k, v in rate.items())
+                        if rate
+                        else "rates from the next refresh on"
+                    )
+                )
+                print(f"{head}{status.table()}\n{line}", flush=True)
+            rc = 0 if all(r.alive for r in status.ranks) else 1
+            prev, shown = (now, status), shown + 1
+            if count is None or shown < count:
+                await asyncio.sleep(every_s)
+    except KeyboardInterrupt:
+        pass
+    return rc
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -148,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     up.set_defaults(fn=cmd_up)
     st = sub.add_parser("status", help="show a pool's ranks and counters")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) with rates (GB/s, hits/s) until Ctrl-C",
+    )
+    st.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
     st.set_defaults(fn=cmd_status)
     doc = sub.add_parser(
         "doctor",

@@ -538,6 +538,7 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
 
     status.ranks = list(await asyncio.gather(*(one(a) for a in nodes)))
     status.fingerprints = await asyncio.wait_for(h.manager.fingerprints.remote(), timeout_s)
+    status.server = await asyncio.wait_for(h.manager.server_metrics.remote(), timeout_s)
     return status
 
 

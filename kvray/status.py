@@ -35,6 +35,8 @@ class PoolStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     ssd: bool = False
     """The pool chains kvray's SSD tier (``<backend>|ssd``)."""
+    server: dict[str, float] = field(default_factory=dict)
+    """The embedded server's own counters (kvray.metrics.SERVER_KEYS), where it has them."""
     fingerprints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     """``namespace@layout`` -> hash domain -> how the instances that registered it hash
     blocks; more than one domain for the same keys: those instances never share blocks."""
@@ -74,6 +76,7 @@ class PoolStatus:
             "total": self.total.to_dict(),
             "misses": self.total.misses(),
             "fingerprints": self.fingerprints,
+            "server": self.server,
         }
 
     def node_capacity(self) -> dict[str, int]:
@@ -94,6 +97,14 @@ class PoolStatus:
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "
             f"{self.server_address} ({mode}), {self.world_size} client(s) per node"
         )
+        if "master_total_capacity_bytes" in self.server:
+            sv = self.server
+            head += (
+                f"\nmemory: {format_size(int(sv.get('master_allocated_bytes', 0)))} used of "
+                f"{format_size(int(sv['master_total_capacity_bytes']))}, "
+                f"{int(sv.get('master_key_count', 0))} keys, "
+                f"{int(sv.get('master_evicted_key_count', 0))} evicted"
+            )
         cols = [
             "node",
             "rank",
@@ -177,3 +188,21 @@ class PoolStatus:
 def _size_or_dash(n: int) -> str:
     """A rank's contributed memory; ``-`` where the backend's server owns it."""
     return format_size(n) if n else "-"
+
+
+def rates(before: PoolStatus, after: PoolStatus, dt_s: float) -> dict[str, str]:
+    """What changed per second between two snapshots (``kvray status --watch``)."""
+    a, b = before.total, after.total
+    dt = max(dt_s, 1e-6)
+
+    def per_s(field: str) -> float:
+        return float(max(0, getattr(b, field) - getattr(a, field))) / dt
+
+    looked = per_s("lookup_blocks")
+    hit = per_s("lookup_hit_blocks")
+    return {
+        "put": f"{per_s('put_bytes') / 1e9:.3f} GB/s ({per_s('put_keys'):.0f} blocks/s)",
+        "get": f"{per_s('get_bytes') / 1e9:.3f} GB/s ({per_s('get_keys'):.0f} blocks/s)",
+        "lookups": f"{per_s('lookups'):.1f}/s",
+        "hit rate": f"{100 * hit / looked:.1f}%" if looked else "-",
+    }

@@ -1,0 +1,188 @@
+"""The pool's side on Prometheus, through Ray's metrics (``ray.util.metrics``).
+
+Every pool actor exports its counters every :data:`EXPORT_S`; Ray's metrics agent on
+each node serves them, with Ray's own, at ``http://<node>:<metrics_export_port>/metrics``
+(what Ray's Prometheus service discovery scrapes). Ray prefixes every name with
+``ray_``: ``kvray_get_bytes`` is scraped as ``ray_kvray_get_bytes_total``. Labels:
+``pool``, ``node`` (the Ray node id's first 12 characters), ``slot`` (the local rank;
+empty for a node's Lookup actor and the manager), ``role`` (``client``, ``ssd``,
+``lookup``, ``manager``). The manager also exports the pool's server-side view where kvray
+runs the server itself and it has one (the embedded ``mooncake_master``'s capacity, used
+bytes, keys and evictions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import fields
+
+from kvray.misses import REASONS
+from kvray.stats import RankStats
+
+logger = logging.getLogger(__name__)
+
+EXPORT_S = 5.0
+"""How often an actor hands its counters to Ray (Ray reports them every 10 s)."""
+
+COUNTERS: dict[str, tuple[str, str]] = {
+    "put_keys": ("kvray_put_blocks", "Blocks (keys) stored"),
+    "put_bytes": ("kvray_put_bytes", "Bytes stored"),
+    "put_failed": ("kvray_put_failed_blocks", "Blocks whose store failed (not for space)"),
+    "put_pool_full": ("kvray_put_pool_full_blocks", "Blocks not stored: the pool was full"),
+    "get_keys": ("kvray_get_blocks", "Blocks (keys) loaded"),
+    "get_bytes": ("kvray_get_bytes", "Bytes loaded"),
+    "removed": ("kvray_removed_blocks", "Blocks removed through kvray"),
+    "lookups": ("kvray_lookups", "Prefix lookups answered"),
+    "lookup_blocks": ("kvray_lookup_blocks", "Blocks looked up"),
+    "lookup_hit_blocks": ("kvray_lookup_hit_blocks", "Blocks looked up and found (leading)"),
+    "lookup_ssd_blocks": ("kvray_lookup_ssd_blocks", "Lookup hits only the SSD tier held"),
+    "ssd_put_keys": ("kvray_ssd_put_blocks", "Blocks written to the SSD tier"),
+    "ssd_get_keys": ("kvray_ssd_get_blocks", "DRAM misses the SSD tier served"),
+    "ssd_get_bytes": ("kvray_ssd_get_bytes", "Bytes the SSD tier served"),
+    "ssd_evictions": ("kvray_ssd_evicted_blocks", "Blocks the SSD tier evicted"),
+    "ssd_corrupt": ("kvray_ssd_corrupt_blocks", "SSD blocks that failed their checksum"),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "regions": ("kvray_regions", "Shared regions mapped by a client"),
+    "ssd_blocks": ("kvray_ssd_blocks", "Blocks on the SSD tier"),
+    "ssd_used_bytes": ("kvray_ssd_used_bytes", "Bytes on the SSD tier"),
+}
+MISSED = ("kvray_missed_blocks", "Blocks not served from the pool, by reason (kvray.misses)")
+SEGMENT = ("kvray_segment_bytes", "Memory a client contributes to the pool")
+SERVER_GAUGES = {
+    "master_total_capacity_bytes": ("kvray_pool_capacity_bytes", "The pool's memory"),
+    "master_allocated_bytes": ("kvray_pool_used_bytes", "The pool's memory in use"),
+    "master_key_count": ("kvray_pool_keys", "Keys the pool holds"),
+}
+SERVER_COUNTERS = {
+    "master_evicted_key_count": ("kvray_pool_evicted_blocks", "Keys the server evicted"),
+    "master_evicted_size_bytes": ("kvray_pool_evicted_bytes", "Bytes the server evicted"),
+}
+SERVER_KEYS = frozenset(SERVER_GAUGES) | frozenset(SERVER_COUNTERS)
+TAG_KEYS = ("pool", "node", "slot", "role")
+
+
+class StatsExporter:
+    """One actor's :class:`RankStats` as Ray metrics: counters advance by what changed
+    since the last :meth:`export`, gauges are set."""
+
+    def __init__(self, pool: str, role: str, node_id: str, slot: int | None = None) -> None:
+        from ray.util import metrics
+
+        self._tags = {
+            "pool": pool,
+            "node": node_id[:12],
+            "slot": "" if slot is None else str(slot),
+            "role": role,
+        }
+        self._counters = {
+            f: metrics.Counter(name, description=doc, tag_keys=TAG_KEYS)
+            for f, (name, doc) in COUNTERS.items()
+        }
+        self._gauges = {
+            f: metrics.Gauge(name, description=doc, tag_keys=TAG_KEYS)
+            for f, (name, doc) in GAUGES.items()
+        }
+        self._missed = metrics.Counter(
+            MISSED[0], description=MISSED[1], tag_keys=(*TAG_KEYS, "reason")
+        )
+        self._segment = metrics.Gauge(SEGMENT[0], description=SEGMENT[1], tag_keys=TAG_KEYS)
+        self._server_gauges = {
+            k: metrics.Gauge(name, description=doc, tag_keys=TAG_KEYS)
+            for k, (name, doc) in SERVER_GAUGES.items()
+        }
+        self._server_counters = {
+            k: metrics.Counter(name, description=doc, tag_keys=TAG_KEYS)
+            for k, (name, doc) in SERVER_COUNTERS.items()
+        }
+        self._last = RankStats()
+        self._last_missed = dict.fromkeys(REASONS, 0)
+        self._last_server: dict[str, float] = {}
+
+    def export(self, stats: RankStats, segment_bytes: int | None = None) -> None:
+        now = RankStats.from_dict(stats.to_dict())
+        for f in fields(RankStats):
+            if f.name in self._counters:
+                delta = getattr(now, f.name) - getattr(self._last, f.name)
+                if delta > 0:
+                    self._counters[f.name].inc(delta, tags=self._tags)
+            elif f.name in self._gauges:
+                self._gauges[f.name].set(getattr(now, f.name), tags=self._tags)
+        # Lookups count the lookup-time reasons, clients the load-time ones.
+        for reason, n in now.misses().items():
+            delta = n - self._last_missed[reason]
+            if delta > 0:
+                self._missed.inc(delta, tags={**self._tags, "reason": reason})
+            self._last_missed[reason] = n
+        if segment_bytes is not None:
+            self._segment.set(segment_bytes, tags=self._tags)
+        self._last = now
+
+    def export_server(self, values: dict[str, float]) -> None:
+        """The server's own metrics (names as the server has them)."""
+        for key, gauge in self._server_gauges.items():
+            if key in values:
+                gauge.set(values[key], tags=self._tags)
+        for key, counter in self._server_counters.items():
+            if key not in values:
+                continue
+            delta = values[key] - self._last_server.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta, tags=self._tags)
+            self._last_server[key] = values[key]
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """A Prometheus text endpoint's unlabelled samples (a server's own ``/metrics``)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#" or "{" in line:
+            continue
+        name, _, value = line.partition(" ")
+        try:
+            out[name] = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """``(name as scraped, type, help)`` of every metric the pool exports (for docs)."""
+    rows = [(f"ray_{n}_total", "counter", d) for n, d in COUNTERS.values()]
+    rows += [(f"ray_{MISSED[0]}_total{{reason}}", "counter", MISSED[1])]
+    rows += [(f"ray_{n}", "gauge", d) for n, d in GAUGES.values()]
+    rows += [(f"ray_{SEGMENT[0]}", "gauge", SEGMENT[1])]
+    rows += [(f"ray_{n}", "gauge", d) for n, d in SERVER_GAUGES.values()]
+    rows += [(f"ray_{n}_total", "counter", d) for n, d in SERVER_COUNTERS.values()]
+    return rows
+
+
+async def export_forever(
+    pool: str, role: str, slot: int | None, read: Callable[[], Awaitable[Snapshot]]
+) -> None:
+    """An actor's export loop: every :data:`EXPORT_S`, ``read()`` -> ``(stats,
+    segment_bytes)`` handed to Ray. A failure is logged once and never ends the actor."""
+    import ray
+
+    warned = False
+    exporter: StatsExporter | None = None
+    while True:
+        await asyncio.sleep(EXPORT_S)
+        try:
+            if exporter is None:
+                node = ray.get_runtime_context().get_node_id()
+                exporter = StatsExporter(pool, role, node, slot)
+            stats, segment = await read()
+            exporter.export(stats, segment)
+        except Exception as exc:  # a metrics failure must not fail the pool
+            if not warned:
+                warned = True
+                logger.warning("kvray %s: exporting metrics to Ray failed (%s)", role, exc)
+
+
+Snapshot = tuple[RankStats, int | None]

@@ -97,14 +97,6 @@ class PoolStatus:
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "
             f"{self.server_address} ({mode}), {self.world_size} client(s) per node"
         )
-        if "master_total_capacity_bytes" in self.server:
-            sv = self.server
-            head += (
-                f"\nmemory: {format_size(int(sv.get('master_allocated_bytes', 0)))} used of "
-                f"{format_size(int(sv['master_total_capacity_bytes']))}, "
-                f"{int(sv.get('master_key_count', 0))} keys, "
-                f"{int(sv.get('master_evicted_key_count', 0))} evicted"
-            )
         cols = [
             "node",
             "rank",
@@ -164,6 +156,14 @@ class PoolStatus:
         if len(capacity) > 1:
             lines.append(
                 "per node: " + ", ".join(f"{n} {_size_or_dash(b)}" for n, b in capacity.items())
+            )
+        if "master_total_capacity_bytes" in self.server:
+            sv = self.server
+            lines.append(
+                f"memory (master): {format_size(int(sv.get('master_allocated_bytes', 0)))} "
+                f"used of {format_size(int(sv['master_total_capacity_bytes']))}, "
+                f"{int(sv.get('master_key_count', 0))} keys, "
+                f"{int(sv.get('master_evicted_key_count', 0))} evicted"
             )
         misses = {r: n for r, n in self.total.misses().items() if n}
         if misses:

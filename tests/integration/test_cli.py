@@ -46,7 +46,8 @@ def test_up_status_down(ray_cluster, tmp_path):
         assert status.returncode == 0, status.stderr
         lines = status.stdout.splitlines()
         assert lines[0].startswith("kvray pool 'clitest'") and "2 client(s) per node" in lines[0]
-        rows = [line.split() for line in lines[2:]]
+        rows = [line.split() for line in lines[2:5]]
+        assert lines[5].startswith("memory (master): ") and "used of 64.0 MiB" in lines[5], lines
         assert [r[0] for r in rows] == ["127.0.0.1/" + rows[0][0].split("/")[1]] * 2 + ["total"]
         assert [r[1] for r in rows[:2]] == ["0", "1"]
         js = json.loads(kvray(ray_cluster, "status", "--json").stdout)

@@ -175,25 +175,29 @@ class PoolManagerActor:
             if node_id in ips:
                 self._config.yuanrong.address_on(ips[node_id])  # ConfigError if none
 
-    async def node_actors(self, node_id: str, slot: int) -> launcher.NodeActors:
-        """Slot ``slot``'s actors on ``node_id``, made on first request (idempotent)."""
+    async def node_actors(
+        self, node_id: str, slot: int, env: dict[str, str] | None = None
+    ) -> launcher.NodeActors:
+        """Slot ``slot``'s actors on ``node_id``, made on first request (idempotent), with
+        the requesting engine's native backend knobs ``env`` (those made earlier keep
+        theirs: the answer says which, for the engine to compare)."""
         self._ensure_reconciler()
         self._check_node(node_id)
         key = (node_id, slot)
         async with self._making.setdefault(key, asyncio.Lock()):
             if key not in self._nodes:
                 self._nodes[key] = await launcher.create_node_actors(
-                    self._config, self._actor_config_json, self._address, node_id, slot
+                    self._config, self._actor_config_json, self._address, node_id, slot, env
                 )
         return self._nodes[key]
 
-    async def lookup_actor(self, node_id: str) -> Any:
+    async def lookup_actor(self, node_id: str, env: dict[str, str] | None = None) -> Any:
         """``node_id``'s Lookup actor, made on first request (idempotent)."""
         self._check_node(node_id)
         async with self._making.setdefault(node_id, asyncio.Lock()):
             if node_id not in self._lookups:
                 self._lookups[node_id] = await launcher.create_lookup_actor(
-                    self._config, self._actor_config_json, self._address, node_id
+                    self._config, self._actor_config_json, self._address, node_id, env
                 )
         return self._lookups[node_id]
 

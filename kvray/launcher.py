@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvray import engine_env
 from kvray.config import PoolConfig
 from kvray.errors import (
     BackendUnavailableError,
@@ -49,6 +51,7 @@ from kvray.naming import (
 from kvray.shm import remove_leftovers
 
 logger = logging.getLogger(__name__)
+_env_warned: set[tuple[str, int]] = set()
 
 # Start-up of one actor is ~2 s on a loaded 2-core machine; setups that take longer
 # than this are broken, not slow.
@@ -67,6 +70,9 @@ class NodeActors:
     slot: int
     client: Any
     ssd: Any = None
+    env: dict[str, str] = field(default_factory=dict)
+    """The engine environment's native backend knobs they were made with
+    (:func:`kvray.engine_env.forwarded` of the process whose request made them)."""
 
 
 @dataclass
@@ -82,6 +88,9 @@ class PoolHandles:
     """The node this process runs on: its clients live there."""
     _clients: dict[int, NodeActors] = field(default_factory=dict)
     _lookup: Any = None
+    forward_env: dict[str, str] = field(default_factory=lambda: engine_env.forwarded(os.environ))
+    """The native backend knobs of this process's environment: node actors this process
+    makes run with them; ones made with others are reported (:meth:`slot`)."""
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.config.world_size:
@@ -94,16 +103,32 @@ class PoolHandles:
         """Slot ``slot``'s actors on this node (blocking; not for an event loop)."""
         self._check_slot(slot)
         if slot not in self._clients:
-            ref = self.manager.node_actors.remote(self.node_id, slot)
-            self._clients[slot] = _node_result(_get(ref, f"clients of slot {slot}"))
+            ref = self.manager.node_actors.remote(self.node_id, slot, self.forward_env)
+            self._clients[slot] = self._checked(_get(ref, f"clients of slot {slot}"))
         return self._clients[slot]
 
     async def aslot(self, slot: int) -> NodeActors:
         self._check_slot(slot)
         if slot not in self._clients:
-            ref = self.manager.node_actors.remote(self.node_id, slot)
-            self._clients[slot] = _node_result(await _aget(ref, f"clients of slot {slot}"))
+            ref = self.manager.node_actors.remote(self.node_id, slot, self.forward_env)
+            self._clients[slot] = self._checked(await _aget(ref, f"clients of slot {slot}"))
         return self._clients[slot]
+
+    def _checked(self, got: Any) -> NodeActors:
+        actors = _node_result(got)
+        diffs = engine_env.env_differences(actors.env, self.forward_env)
+        if diffs and (self.config.name, actors.slot) not in _env_warned:
+            _env_warned.add((self.config.name, actors.slot))
+            logger.warning(
+                "kvray pool %r: the clients of slot %d on this node were started with other "
+                "backend settings than this process's environment, and keep theirs: %s. Fix: "
+                "set them alike in every engine's environment, or restart the pool's clients "
+                "with these (`kvray down`, then start the engines or `kvray up` with them set)",
+                self.config.name,
+                actors.slot,
+                "; ".join(diffs),
+            )
+        return actors
 
     def client(self, slot: int) -> Any:
         return self.slot(slot).client
@@ -118,12 +143,14 @@ class PoolHandles:
     def lookup(self) -> Any:
         """This node's Lookup actor (blocking; not for an event loop)."""
         if self._lookup is None:
-            self._lookup = _get(self.manager.lookup_actor.remote(self.node_id), "lookup actor")
+            self._lookup = _get(
+                self.manager.lookup_actor.remote(self.node_id, self.forward_env), "lookup actor"
+            )
         return self._lookup
 
     async def alookup(self) -> Any:
         if self._lookup is None:
-            ref = self.manager.lookup_actor.remote(self.node_id)
+            ref = self.manager.lookup_actor.remote(self.node_id, self.forward_env)
             self._lookup = await _aget(ref, "lookup actor")
         return self._lookup
 
@@ -169,13 +196,18 @@ def _actor_error(exc: BaseException) -> str:
     return text.strip().splitlines()[-1] if text.strip() else repr(exc)
 
 
-def _options(config: PoolConfig, name: str, **kw: Any) -> dict[str, Any]:
+def _options(
+    config: PoolConfig, name: str, env: dict[str, str] | None = None, **kw: Any
+) -> dict[str, Any]:
+    """Actor options; ``env``: the engine's native backend knobs (they override kvray's
+    defaults, the pool config's offload settings override them)."""
+    env_vars = {**_ACTOR_ENV, **(env or {}), **config.mooncake.offload.env()}
     return {
         "name": name,
         "namespace": config.namespace,
         "get_if_exists": True,
         "lifetime": "detached" if config.detached else None,
-        "runtime_env": {"env_vars": {**_ACTOR_ENV, **config.mooncake.offload.env()}},
+        "runtime_env": {"env_vars": env_vars},
         **kw,
     }
 
@@ -255,9 +287,11 @@ async def create_node_actors(
     server_address: str,
     node_id: str,
     slot: int,
+    env: dict[str, str] | None = None,
 ) -> NodeActors:
     """Find or create slot ``slot``'s actors on ``node_id`` and wait until they answer
-    (called by the pool manager, which owns them)."""
+    (called by the pool manager, which owns them); ``env``: the requesting engine's
+    native backend knobs, which new actors run with."""
     from kvray.actors.backend_client import BackendClientActor
     from kvray.actors.ssd import SsdOffloadActor
 
@@ -265,6 +299,7 @@ async def create_node_actors(
         opts = _options(
             config,
             name,
+            env,
             num_cpus=config.cpus_per_rank,
             scheduling_strategy=_on_node(node_id),
             max_restarts=-1,
@@ -291,17 +326,22 @@ async def create_node_actors(
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(actor, no_restart=True)
         raise
-    return NodeActors(node_id, slot, client, ssd)
+    return NodeActors(node_id, slot, client, ssd, dict(env or {}))
 
 
 async def create_lookup_actor(
-    config: PoolConfig, actor_config_json: str, server_address: str, node_id: str
+    config: PoolConfig,
+    actor_config_json: str,
+    server_address: str,
+    node_id: str,
+    env: dict[str, str] | None = None,
 ) -> Any:
     from kvray.actors.lookup import LookupActor
 
     opts = _options(
         config,
         lookup_name(config.name, node_id),
+        env,
         num_cpus=0,
         scheduling_strategy=_on_node(node_id),
         max_restarts=-1,

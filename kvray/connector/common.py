@@ -156,6 +156,29 @@ def _doctor_once(pool: PoolConfig) -> None:
             logger.warning("kvray doctor: %s", f.line())
 
 
+def _compare_config_once(pool: PoolConfig) -> None:
+    """The pool's backend settings against what this engine's environment would make of
+    them (the seeds' MOONCAKE_CONFIG_PATH, DS_WORKER_ADDR, ...), logged once per process."""
+    from kvray.engine_env import config_differences
+
+    if pool.name in _compared:
+        return
+    _compared.add(pool.name)
+    diffs = config_differences(pool, os.environ)
+    if diffs:
+        logger.warning(
+            "kvray pool %r was configured differently from this engine's environment, and "
+            "its settings apply: %s. Fix: start the pool with this environment (`kvray down`, "
+            "then `kvray up` with it set, or name the same settings in a --config / the "
+            "connector's pool_config), or unset them here",
+            pool.name,
+            "; ".join(diffs),
+        )
+
+
+_compared: set[str] = set()
+
+
 def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     """Join the Ray cluster (:func:`kvray.embedded.connect`: the configured one, this
     node's, or the node's embedded pool) and find the pool (handles for this node)."""
@@ -178,6 +201,7 @@ def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
         ) from exc
     check_host_transfers(handles.config)
     _doctor_once(handles.config)
+    _compare_config_once(handles.config)
     if handles.config.backend != cfg.backend:
         raise ConfigError(
             f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "

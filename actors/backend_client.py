@@ -37,6 +37,10 @@ class BackendClientActor:
         logging.basicConfig(level=logging.INFO)
         normal_priority("BackendClient actor")
         config = on_this_node(PoolConfig.model_validate_json(config_json))
+        mc = config.mooncake
+        if mc.enable_client_http_server:  # one port per client of the node
+            mooncake = mc.model_copy(update={"client_http_port": mc.client_http_port + rank})
+            config = config.model_copy(update={"mooncake": mooncake})
         self._store = RankStore(make_backend(config, server_address), rank)
         self._node_id = ray.get_runtime_context().get_node_id()
         # Pipeline "<backend>|ssd": the SSD offload actor of the same node and slot is

@@ -220,6 +220,32 @@ class MooncakeConfig(_Strict):
     symlinks or ``..`` (checked where the config is loaded and in each actor)."""
     offload: MooncakeOffloadConfig = Field(default_factory=MooncakeOffloadConfig)
     """``MOONCAKE_OFFLOAD_*`` environment knobs, validated."""
+    tenant_id: str = Field("default", min_length=1)
+    """Mooncake's tenant: clients of different tenants do not see each other's keys."""
+    enable_client_http_server: bool = False
+    """Each storing client serves Mooncake's client HTTP endpoints (health, metrics) on
+    ``client_http_port`` + its slot (several clients share a node)."""
+    client_http_port: int = Field(9300, ge=1, le=65535)
+    """First port of the clients' HTTP endpoints (``enable_client_http_server``)."""
+    mode: str | None = None
+    """Accepted from seed ``mooncake.json`` files and ignored: Mooncake's own client does
+    not read it either (``mooncake_config.py``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _enable_offload(cls, data: Any) -> Any:
+        """``enable_offload`` (the master's flag name, as some seed files write it in
+        ``mooncake.json``) means the client's ``enable_ssd_offload``."""
+        if isinstance(data, dict) and "enable_offload" in data:
+            data = dict(data)
+            value = data.pop("enable_offload")
+            if "enable_ssd_offload" in data and bool(data["enable_ssd_offload"]) != bool(value):
+                raise ValueError(
+                    "enable_offload and enable_ssd_offload disagree: they are one setting "
+                    "(Mooncake's client SSD offload); keep enable_ssd_offload"
+                )
+            data["enable_ssd_offload"] = value
+        return data
 
     @field_validator("global_segment_size")
     @classmethod
@@ -705,6 +731,12 @@ class ConnectorConfig(_Strict):
     pool_config: str | None = None
     """Pool config file (YAML or JSON, as for ``kvray up --config``) the embedded pool is
     started with, when an engine starts it (no Ray cluster configured)."""
+    ucm_connectors: list[dict[str, Any]] | None = None
+    """UCM's store settings (``ucm_connectors[0]``, a ``UcmPipelineStore``), read by
+    :mod:`kvray.ucm` into pool and connector settings."""
+    UCM_CONFIG_FILE: str | None = None
+    """UCM's YAML config file (also read from the ``UCM_CONFIG_FILE`` environment
+    variable) when ``ucm_connectors`` is not given here."""
     lookup_timeout_ms: float = Field(200.0, gt=0)
     """A lookup slower than this is a miss, never a stall."""
     pd_wait_ms: float = Field(5000.0, ge=0)

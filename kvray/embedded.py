@@ -125,6 +125,7 @@ def join(
     world_size: int,
     *,
     timeout_s: float = START_TIMEOUT_S,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Join this node's embedded pool ``name``, starting its keeper if none runs; returns
     the keeper's state (``address``: the Ray cluster to join, ``auth_mode``). This process
@@ -140,7 +141,9 @@ def join(
         state = read_state(files)
         started = state is None
         if state is None:
-            state = _start_keeper(files, namespace, name, pool_config, world_size, timeout_s)
+            state = _start_keeper(
+                files, namespace, name, pool_config, world_size, timeout_s, overrides
+            )
         users = files.users_lock.open("a+")
         fcntl.flock(users, fcntl.LOCK_SH)  # held until this process exits
         _held.append(users)
@@ -164,12 +167,15 @@ def _start_keeper(
     pool_config: str | None,
     world_size: int,
     timeout_s: float,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     files.state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kvray.embedded", "--namespace", namespace, "--name", name]
     cmd += ["--world-size", str(world_size), "--daemonize"]
     if pool_config:
         cmd += ["--config", pool_config]
+    if overrides:
+        cmd += ["--overrides", json.dumps(overrides)]
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
@@ -244,8 +250,10 @@ def connect(
     name: str,
     pool_config: str | None,
     world_size: int,
+    overrides: dict[str, Any] | None = None,
 ) -> str:
     """Join the Ray cluster an engine process should use; returns how it was chosen.
+    ``overrides``: pool settings (UCM's) an embedded pool this starts is made with.
 
     - an address configured (``ray_address``, else ``RAY_ADDRESS``): that cluster, after
       checking within seconds that it answers (a dead address is an error naming it,
@@ -281,7 +289,7 @@ def connect(
     if local is not None:
         ray_init(local, namespace=namespace)
         return f"this node's Ray cluster at {local}"
-    state = join(namespace, name, pool_config, world_size)
+    state = join(namespace, name, pool_config, world_size, overrides=overrides)
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is not None and mode != state["auth_mode"]:
         raise ConfigError(
@@ -297,7 +305,12 @@ def connect(
 
 
 def keep(
-    namespace: str, name: str, pool_config: str | None, world_size: int, linger_s: float
+    namespace: str,
+    name: str,
+    pool_config: str | None,
+    world_size: int,
+    linger_s: float,
+    overrides: dict[str, Any] | None = None,
 ) -> int:
     import ray
 
@@ -320,10 +333,18 @@ def keep(
     if pool_config:
         base = PoolConfig.from_file(pool_config)
         spec = {**base.model_dump(), "name": name, "namespace": namespace}
-        config = PoolConfig.from_dict(spec, source=pool_config)
+        source = pool_config
     else:
         spec = {"name": name, "namespace": namespace, "world_size": world_size}
-        config = PoolConfig.from_dict(spec, source="embedded default")
+        source = "embedded default"
+    for key, value in (overrides or {}).items():  # UCM's settings (kvray.ucm)
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    if overrides:
+        source += " with UCM's settings"
+    config = PoolConfig.from_dict(spec, source=source)
     if config.world_size < world_size:
         raise ConfigError(
             f"{pool_config}: world_size {config.world_size} but the engine runs {world_size} "
@@ -377,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="kvray")
     parser.add_argument("--config", help="pool config file (YAML or JSON)")
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--overrides", help="pool settings (JSON) over the config's")
     parser.add_argument(
         "--daemonize", action="store_true", help="fork away, print the keeper's pid, return"
     )
@@ -391,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     logging.basicConfig(level=logging.INFO)
     linger = float(os.environ.get("KVRAY_EMBEDDED_LINGER_S", "5"))
-    return keep(args.namespace, args.name, args.config, args.world_size, linger)
+    overrides = json.loads(args.overrides) if args.overrides else None
+    return keep(args.namespace, args.name, args.config, args.world_size, linger, overrides)
 
 
 if __name__ == "__main__":

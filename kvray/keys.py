@@ -211,8 +211,10 @@ class KeySpace:
 
 def block_of_key(key: str) -> str:
     """``namespace@layout@hash`` of a key string: the block, whatever the rank and layer
-    group it was stored for."""
+    group it was stored for (a Pool API key that is not a block key: itself)."""
     parts = key.split(_SEP)
+    if len(parts) < 5:
+        return key
     return f"{parts[0]}{_SEP}{parts[1]}{_SEP}{parts[-1]}"
 
 

@@ -139,6 +139,10 @@ class MooncakeBackend(Backend):
             None,
             bool(config.enable_ssd_offload and contribute_memory),
             (config.ssd_offload_path or "") if contribute_memory else "",
+            tenant_id=config.tenant_id,
+            # Only storing clients serve it (a lookup client would take the same port).
+            enable_client_http_server=config.enable_client_http_server and contribute_memory,
+            client_http_port=config.client_http_port,
         )
         if rc != 0:
             raise BackendUnavailableError(

@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvray import ucm
 from kvray.config import ConnectorConfig, PoolConfig, validate
 from kvray.errors import ConfigError, PoolNotFoundError
 from kvray.keys import KeySpace, KVLayout
+from kvray.ucm import UcmSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +72,19 @@ def log_through_vllm() -> None:
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     transfer = vllm_config.kv_transfer_config
     extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
-    return validate(ConnectorConfig, extra, source="kv_connector_extra_config")
+    cfg = validate(ConnectorConfig, extra, source="kv_connector_extra_config")
+    settings = ucm_settings(cfg)
+    if settings is None:
+        return cfg
+    # UCM's choices of backend and layer-wise transfers are the connector's too.
+    update = {**settings.connector, "backend": settings.pool["backend"]}
+    return cfg.model_copy(update=update)
+
+
+def ucm_settings(cfg: ConnectorConfig) -> UcmSettings | None:
+    """UCM's config, where the connector config has one (inline or UCM_CONFIG_FILE)."""
+    extra = {"ucm_connectors": cfg.ucm_connectors, "UCM_CONFIG_FILE": cfg.UCM_CONFIG_FILE}
+    return ucm.settings({k: v for k, v in extra.items() if v is not None}, os.environ)
 
 
 def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> InstanceInfo:
@@ -179,6 +193,31 @@ def _compare_config_once(pool: PoolConfig) -> None:
 _compared: set[str] = set()
 
 
+def _compare_ucm_once(pool: PoolConfig, settings: UcmSettings) -> None:
+    """UCM's store settings against the pool's, and the UCM keys kvray ignores, logged
+    once per process."""
+    key = f"ucm:{pool.name}"
+    if key in _compared:
+        return
+    _compared.add(key)
+    diffs = ucm.differences(pool, settings.pool)
+    if diffs:
+        logger.warning(
+            "kvray pool %r runs with other settings than UCM's (%s), and its settings apply: "
+            "%s. Fix: start the pool with them (`kvray down`, then let the engine start the "
+            "embedded pool, or `kvray up` with a config naming them)",
+            pool.name,
+            settings.source,
+            "; ".join(diffs),
+        )
+    if settings.ignored:
+        logger.info(
+            "kvray: UCM settings without a kvray equivalent, ignored (%s): %s",
+            settings.source,
+            ", ".join(settings.ignored),
+        )
+
+
 def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     """Join the Ray cluster (:func:`kvray.embedded.connect`: the configured one, this
     node's, or the node's embedded pool) and find the pool (handles for this node)."""
@@ -187,10 +226,11 @@ def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     from kvray import launcher
     from kvray.embedded import connect
 
+    settings = ucm_settings(cfg)
     where = "this process's Ray cluster"
     if not ray.is_initialized():
         where = connect(cfg.ray_address, cfg.namespace, cfg.pool_name, cfg.pool_config,
-                        local_workers)  # fmt: skip
+                        local_workers, settings.pool if settings else None)  # fmt: skip
     try:
         handles = launcher.attach(cfg.pool_name, cfg.namespace)
     except PoolNotFoundError as exc:
@@ -202,6 +242,8 @@ def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     check_host_transfers(handles.config)
     _doctor_once(handles.config)
     _compare_config_once(handles.config)
+    if settings is not None:
+        _compare_ucm_once(handles.config, settings)
     if handles.config.backend != cfg.backend:
         raise ConfigError(
             f"kv_connector_extra_config.backend is {cfg.backend!r} but kvray pool "

@@ -25,9 +25,11 @@ from kvray.embedded import connect
 from kvray import Pool
 import ray
 data = (np.arange(4096) % 251).astype(np.uint8)
-how = connect(None, "kvray-emb", "emb", sys.argv[1], 1)
+overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+how = connect(None, "kvray-emb", "emb", sys.argv[1] or None, 1, overrides)
 pool = Pool.attach("emb", "kvray-emb")
-out = {"how": how, "address": ray.get_runtime_context().gcs_address}
+out = {"how": how, "address": ray.get_runtime_context().gcs_address,
+       "config": json.loads(pool.config.model_dump_json())}
 if sys.argv[2] == "put":
     pool.put("blk", data)
 else:
@@ -39,9 +41,11 @@ sys.stdin.readline()  # stay an engine of the pool until told to go
 """
 
 
-def _engine(env: dict[str, str], config: Path, op: str) -> tuple[subprocess.Popen, dict]:
+def _engine(
+    env: dict[str, str], config: Path | None, op: str, *more: str
+) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", ENGINE, str(config), op],
+        [sys.executable, "-c", ENGINE, str(config or ""), op, *more],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -127,3 +131,42 @@ def test_keeper_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypatch
         join("kvray-emb", "bad", str(bad), 1, timeout_s=120)
     assert time.monotonic() - t0 < 60
     assert "did not start" in str(err.value) and "global_segment_size" in str(err.value)
+
+
+def test_ucm_store_settings_make_the_embedded_pool(tmp_path):
+    """A UCM deployment's store config (``ucm_connectors``, UcmPipelineStore
+    ``Mooncake|Posix``) is what the embedded pool an engine starts is made of: Mooncake
+    DRAM in front of kvray's SSD tier in ``storage_backends``, with UCM's segment size,
+    replicas, streams and timeout; a block stored goes to both tiers."""
+    from kvray import ucm
+
+    ssd_dir = tmp_path / "ssd"
+    ssd_dir.mkdir()
+    settings = ucm.settings(
+        {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": {
+            "store_pipeline": "Mooncake|Posix", "storage_backends": str(ssd_dir),
+            "global_segment_size_gb": 1, "local_buffer_size_gb": 1, "replica_num": 1,
+            "stream_number": 2, "timeout_ms": 20000, "io_direct": False, "protocol": "tcp",
+            "posix_capacity_gb": 2, "cache_buffer_capacity_gb": 32}}]},
+        {},
+    )  # fmt: skip
+    assert settings is not None and settings.ignored == ["cache_buffer_capacity_gb"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(KVRAY_RUN_DIR=str(tmp_path / "run"), KVRAY_EMBEDDED_LINGER_S="1")
+    proc, out = None, {}
+    try:
+        proc, out = _engine(env, None, "put", json.dumps(settings.pool))
+        cfg = out["config"]
+        assert out["how"].startswith("embedded pool")
+        assert (cfg["backend"], cfg["pipeline"]) == ("mooncake", "mooncake|ssd")
+        assert cfg["ssd"]["path"] == str(ssd_dir) and cfg["ssd"]["quota"] == 2 << 30
+        assert cfg["ssd"]["direct_io"] is False
+        assert cfg["mooncake"]["global_segment_size"] == 1 << 30
+        assert (cfg["io_threads"], cfg["call_timeout_s"]) == (2, 20.0)
+        stored = list(ssd_dir.rglob("*"))
+        assert any(p.is_file() for p in stored), f"nothing on the SSD tier: {stored}"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.communicate("\n", timeout=60)
+        files = Files(tmp_path / "run" / "kvray-emb.emb")
+        _wait(lambda: read_state(files) is None, 90, "the keeper stops after the engine")

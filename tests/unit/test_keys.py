@@ -112,3 +112,13 @@ def test_layer_group_keys():
         BlockKey("m", LAYOUT, 0, 0, hashes[0], layer_group=1, layer_groups=1)
     # One group: the plain key, unchanged.
     assert "@lg" not in KeySpace("m", LAYOUT).rank_key_strs(hashes, 0)[0]
+
+
+def test_block_of_key_is_rank_agnostic_and_passes_other_keys_through():
+    from kvray.keys import KeySpace, block_of_key
+
+    space = KeySpace("m", "float16-b16-h2x64", tp_size=2, layer_groups=2)
+    h = [b"\x01" * 16]
+    blocks = {block_of_key(k) for k in space.lookup_key_strs(h)}
+    assert blocks == {"m@float16-b16-h2x64@" + h[0].hex()}
+    assert block_of_key("blk") == "blk" and block_of_key("a@b") == "a@b"

@@ -52,3 +52,36 @@ def test_engine_env_reaches_the_actors_and_differences_are_reported(
         assert env.get("HCCL_RDMA_TIMEOUT") == "17", "running actors keep their settings"
     finally:
         pool.shutdown()
+
+
+def test_seed_mooncake_json_keys_reach_the_client(ray_cluster, mooncake_master):
+    """tenant_id reaches Mooncake's client (which, in the Mooncake this runs, does not
+    separate keys by it: measured here, and said in the docs); enable_client_http_server
+    serves Mooncake's client HTTP endpoint on client_http_port + slot."""
+    import socket
+    import urllib.request
+
+    import numpy as np
+
+    from kvray import Pool
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port = free_port()
+    mc = {"tenant_id": "team-a", "enable_client_http_server": True, "client_http_port": port}
+    a = Pool.start(small_config(mooncake_master.address, mooncake=mc, world_size=1))
+    b = Pool.start(small_config(mooncake_master.address, world_size=1))  # tenant "default"
+    try:
+        a.put("tenant-key", np.ones(64, np.uint8))
+        assert a.exists(["tenant-key"]) == [True]
+        # Not separated by tenant (if a Mooncake release starts separating them, this
+        # fails and the docs' note on tenant_id must change with it).
+        assert b.exists(["tenant-key"]) == [True]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        a.shutdown()
+        b.shutdown()

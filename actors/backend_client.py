@@ -14,10 +14,9 @@ import ray
 from kvray.backends import KeyStatus, make_backend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
-from kvray.launcher import on_this_node
+from kvray.launcher import find_manager, on_this_node
 from kvray.ledger import FLUSH_S, Entries, Seen, block_digest
 from kvray.metrics import export_forever
-from kvray.naming import manager_name
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
@@ -82,11 +81,7 @@ class BackendClientActor:
             changes, self._changes = self._changes, []
             try:
                 if manager is None:
-                    manager = await asyncio.to_thread(
-                        ray.get_actor,
-                        manager_name(self._config.name),
-                        namespace=self._config.namespace,
-                    )
+                    manager = await find_manager(self._config)
                 await manager.ledger_record.remote(changes)
             except (ValueError, ray.exceptions.RayError) as exc:
                 manager = None

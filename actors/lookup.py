@@ -13,11 +13,11 @@ import ray
 from kvray.backends import make_backend
 from kvray.config import PoolConfig
 from kvray.keys import KeySpace, probe_hash
-from kvray.launcher import on_this_node
+from kvray.launcher import find_manager, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService
 from kvray.metrics import export_forever
-from kvray.naming import manager_name, ssd_name
+from kvray.naming import ssd_name
 from kvray.ray_env import normal_priority
 from kvray.stats import RankStats
 
@@ -58,11 +58,7 @@ class LookupActor:
             await asyncio.sleep(FLUSH_S)
             try:
                 if manager is None:
-                    manager = await asyncio.to_thread(
-                        ray.get_actor,
-                        manager_name(self._config.name),
-                        namespace=self._config.namespace,
-                    )
+                    manager = await find_manager(self._config)
                 seq, entries, full, mixed = await manager.ledger_since.remote(seq)
             except (ValueError, ray.exceptions.RayError) as exc:
                 manager = None

@@ -943,7 +943,7 @@ class PoolConfig(_Strict):
         data = (
             _read_json(str(path), "--config")
             if str(path).endswith(".json")
-            else _read_yaml(str(path))
+            else read_yaml(str(path))
         )
         return cls.from_dict(data, environ, source=str(path))
 
@@ -999,15 +999,16 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
     return data
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str, what: str = "--config") -> dict[str, Any]:
+    """A YAML file holding a mapping; errors name ``what`` (the setting that named it)."""
     import yaml  # ships with ray[default]
 
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror}") from exc
+        raise ConfigError(f"{what}: cannot read {path!r}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config: {path!r} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"{what}: {path!r} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path!r} must hold a mapping")
+        raise ConfigError(f"{what}: {path!r} must hold a mapping")
     return data

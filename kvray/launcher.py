@@ -406,6 +406,13 @@ async def _check_started(actors: list[Any], node_id: str, config: PoolConfig) ->
             )
 
 
+async def find_manager(config: PoolConfig) -> Any:
+    """The manager of ``config``'s pool, from inside one of its actors (off the loop)."""
+    return await asyncio.to_thread(
+        ray.get_actor, manager_name(config.name), namespace=config.namespace
+    )
+
+
 def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
     """Handles to the running pool ``name``, for this process's node."""
     try:

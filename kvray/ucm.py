@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kvray.config import GiB
+from kvray.config import GiB, read_yaml
 from kvray.errors import ConfigError
 
 PIPELINES = {
@@ -106,7 +105,7 @@ def settings(extra: Mapping[str, Any], environ: Mapping[str, str]) -> UcmSetting
     source = "kv_connector_extra_config.ucm_connectors"
     path = extra.get("UCM_CONFIG_FILE") or environ.get("UCM_CONFIG_FILE")
     if connectors is None and path:
-        top = _read_yaml(str(path))
+        top = read_yaml(str(path), "UCM_CONFIG_FILE")
         connectors = top.get("ucm_connectors")
         source = f"UCM_CONFIG_FILE {path}"
         if connectors is None:
@@ -231,20 +230,6 @@ def _top_key(key: str, value: Any, out: UcmSettings) -> None:
             )
     else:
         out.ignored.append(key)
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml  # ships with ray[default]
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"UCM_CONFIG_FILE: cannot read {path!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"UCM_CONFIG_FILE: {path!r} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"UCM_CONFIG_FILE: {path!r} must hold a mapping")
-    return data
 
 
 def differences(pool: Any, overrides: Mapping[str, Any], prefix: str = "") -> list[str]:

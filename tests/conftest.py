@@ -12,6 +12,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Mooncake clients in this process (baselines) fail fast on a dead master.
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
+if os.environ.get("KVRAY_REQUIRE_VLLM") == "1":
+    # CI (.ci/run) sets this: a missing or broken vLLM fails the run here instead of
+    # skipping every test that needs it (the e2e tier, the connector's unit tests).
+    import vllm  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():

@@ -232,6 +232,42 @@ def test_hash_seed_mismatch_is_named_and_never_hits(
     assert "HASH MISMATCH for tiny-seeds@" in pool.stats().table()
 
 
+def test_negative_control_corrupted_blocks_change_the_output(
+    pool, ray_cluster, tiny_model, baseline, tmp_path
+):
+    """The oracle can see wrong bytes: blocks overwritten behind kvray's back (same keys,
+    same sizes, other values) are loaded as hits and the engine's greedy output differs
+    from the run without the connector. Every "outputs equal the baseline" assertion in
+    these tests rests on this: with this model and prompt, wrong KV bytes show."""
+    import numpy as np
+
+    from kvray.keys import KeySpace, KVLayout
+
+    ns = "tiny-negative-control"
+    spec = {"model": tiny_model, "connector": _connector(model_namespace=ns, load_async=False)}
+    stored = run_engine(ray_cluster, tmp_path, "neg-store", {
+        **spec, "runs": [[P1]], "wait_saves_for": "e2e", "record_hashes": True})  # fmt: skip
+    assert stored["runs"][0]["outputs"][0] == baseline["P1"]
+    hashes = [bytes.fromhex(h) for h in stored["block_hashes"][0][:4]]
+    space = KeySpace(ns, KVLayout("float32", 128, 4, 64).tag())  # the tiny Llama's layout
+    keys = space.lookup_key_strs(hashes)
+    assert all(pool.exists(keys)), "the first run did not store P1's 4 blocks"
+    block_bytes = 2 * 2 * 128 * 4 * 64 * 4  # K and V, 2 layers, float32
+    rng = np.random.default_rng(0)
+    for key in keys:
+        real = pool.get(key, shape=(block_bytes // 4,), dtype=np.float32)
+        assert real is not None
+        wrong = rng.permutation(real) * np.float32(3.0)  # plausible values, wrong places
+        pool.put(key, wrong.astype(np.float32), overwrite=True)
+    loaded = run_engine(ray_cluster, tmp_path, "neg-load", {**spec, "runs": [[P1]]})
+    (line,) = request_lines(loaded["log"])
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0), line
+    assert loaded["runs"][0]["outputs"][0] != baseline["P1"], (
+        "corrupted KV blocks gave the baseline's tokens: the output oracle cannot see "
+        "wrong bytes with this model and prompt"
+    )
+
+
 def _layerwise_keys(placement: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
     from kvray.keys import KeySpace, KVLayout
 

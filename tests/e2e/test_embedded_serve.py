@@ -76,6 +76,7 @@ def _base_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.timeout(480)  # two vLLM servers start one after the other (~2 min when idle)
 def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_path):
     from kvray.embedded import Files, read_state
 

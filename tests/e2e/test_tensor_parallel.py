@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, prompts, run_engine, start_pool
+from .conftest import BLOCK, prompts, request_lines, run_engine, start_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -43,9 +43,9 @@ def test_tp2_ranks_store_and_load_their_halves(
          "runs": [[PROMPT], [PROMPT]], "wait_saves_for": "e2e-tp"},
     )  # fmt: skip
     assert [r["outputs"][0] for r in out["runs"]] == [tp_baseline] * 2
-    first, second = [line for line in out["log"].splitlines() if "request_id=" in line][:2]
-    assert "hit_pool=0" in first and "saved=3" in first
-    assert "hit_pool=3" in second and "loaded=3" in second
+    first, second = request_lines(out["log"])[:2]
+    assert (first["hit_pool"], first["saved"]) == (0, 3), first
+    assert (second["hit_pool"], second["loaded"]) == (3, 3), second
     # Each rank stored and loaded its own half of the heads, under its own keys.
     ranks = pool2.stats().ranks
     assert [r.stats.put_keys for r in ranks] == [3, 3]
@@ -64,8 +64,8 @@ def test_tp2_staged_loads_what_tp2_shared_stored(
         {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV, "runs": [[PROMPT]]},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == tp_baseline
-    (line,) = [ln for ln in out["log"].splitlines() if "request_id=" in ln]
-    assert "hit_pool=3" in line and "loaded=3" in line and "failed=0" in line
+    (line,) = request_lines(out["log"])
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (3, 3, 0), line
     assert out["log"].count("staged placement") == 2, "both workers use staging"
     ranks = pool2.stats().ranks
     assert [r.stats.get_keys for r in ranks] == [6, 6]

@@ -14,7 +14,7 @@ import ray
 from kvray.backends import KeyStatus, make_backend
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
-from kvray.launcher import find_manager, on_this_node
+from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S, Entries, Seen, block_digest
 from kvray.metrics import export_forever
 from kvray.rank_store import RankStore
@@ -73,25 +73,12 @@ class BackendClientActor:
             self._reporter = asyncio.get_running_loop().create_task(self._report())
 
     async def _report(self) -> None:
-        manager, warned = None, False
+        manager = ManagerLink(self._config, "BackendClient", "its misses read as never stored")
         while True:
             await asyncio.sleep(FLUSH_S)
-            if not self._changes:
-                continue
-            changes, self._changes = self._changes, []
-            try:
-                if manager is None:
-                    manager = await find_manager(self._config)
-                await manager.ledger_record.remote(changes)
-            except (ValueError, ray.exceptions.RayError) as exc:
-                manager = None
-                if not warned:
-                    warned = True
-                    logger.warning(
-                        "kvray BackendClient: cannot report to the pool's ledger "
-                        "(%s): its misses read as never stored",
-                        exc,
-                    )
+            if self._changes:
+                changes, self._changes = self._changes, []
+                await manager.call("ledger_record", changes)
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_exporter()

@@ -13,15 +13,13 @@ import ray
 from kvray.backends import make_backend
 from kvray.config import PoolConfig
 from kvray.keys import KeySpace, probe_hash
-from kvray.launcher import find_manager, on_this_node
+from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService
 from kvray.metrics import export_forever
 from kvray.naming import ssd_name
 from kvray.ray_env import normal_priority
 from kvray.stats import RankStats
-
-logger = logging.getLogger(__name__)
 
 
 class LookupActor:
@@ -53,23 +51,16 @@ class LookupActor:
     async def _follow_ledger(self) -> None:
         """Follow the manager's ledger (what tells an evicted block from one never
         stored): one small call every FLUSH_S, never on a lookup's path."""
-        seq, manager, warned = 0, None, False
+        manager = ManagerLink(
+            self._config, "Lookup", "misses read as never stored until it answers"
+        )
+        seq = 0
         while True:
             await asyncio.sleep(FLUSH_S)
-            try:
-                if manager is None:
-                    manager = await find_manager(self._config)
-                seq, entries, full, mixed = await manager.ledger_since.remote(seq)
-            except (ValueError, ray.exceptions.RayError) as exc:
-                manager = None
-                if not warned:
-                    warned = True
-                    logger.warning(
-                        "kvray Lookup: cannot follow the pool's ledger (%s): misses "
-                        "read as never stored until it answers",
-                        exc,
-                    )
+            update = await manager.call("ledger_since", seq)
+            if update is None:
                 continue
+            seq, entries, full, mixed = update
             self._service.ledger.apply(entries, full)  # type: ignore[union-attr]
             self._service.mixed_hashing = set(mixed)
 

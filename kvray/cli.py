@@ -154,15 +154,12 @@ async def _watch(
             else:
                 head = "\x1b[H\x1b[2J" if tty else ("" if shown == 0 else "\n")
                 line = (
-                    time.strftime("%H:%M:%S")
-                    + "  "
-                    + (
-                        "  ".join(f"{k} {v}" for k, v in rate.items())
-                        if rate
-                        else "rates from the next refresh on"
-                    )
+                    "  ".join(f"{k} {v}" for k, v in rate.items())
+                    if rate
+                    else "rates from the next refresh on"
                 )
-                print(f"{head}{status.table()}\n{line}", flush=True)
+                clock = time.strftime("%H:%M:%S")
+                print(f"{head}{status.table()}\n{clock}  {line}", flush=True)
             rc = 0 if all(r.alive for r in status.ranks) else 1
             prev, shown = (now, status), shown + 1
             if count is None or shown < count:

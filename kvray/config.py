@@ -221,7 +221,8 @@ class MooncakeConfig(_Strict):
     offload: MooncakeOffloadConfig = Field(default_factory=MooncakeOffloadConfig)
     """``MOONCAKE_OFFLOAD_*`` environment knobs, validated."""
     tenant_id: str = Field("default", min_length=1)
-    """Mooncake's tenant: clients of different tenants do not see each other's keys."""
+    """Passed to Mooncake's client (``setup(tenant_id=...)``). Measured: the Mooncake this
+    runs does not separate keys by tenant; separate with ``model_namespace`` instead."""
     enable_client_http_server: bool = False
     """Each storing client serves Mooncake's client HTTP endpoints (health, metrics) on
     ``client_http_port`` + its slot (several clients share a node)."""

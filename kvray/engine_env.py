@@ -45,6 +45,10 @@ POOL_CONFIG_VARS = {
 }
 """Per backend, the variables from which kvray builds the pool's backend section."""
 
+SECTIONS = {"mooncake": ("mooncake",), "yuanrong": ("yuanrong",),
+            "memcache": ("memcache", "memcache_meta")}  # fmt: skip
+"""Per backend, the ``PoolConfig`` sections those variables make."""
+
 
 def forwarded(environ: Mapping[str, str]) -> dict[str, str]:
     """The native backend knobs of ``environ`` that a pool's actors should run with."""
@@ -81,11 +85,8 @@ def config_differences(pool: Any, environ: Mapping[str, str]) -> list[str]:
         mine = PoolConfig.from_dict({"backend": pool.backend}, environ)
     except ConfigError as exc:
         return [f"this process's {source} does not make a valid config: {exc}"]
-    sections = ["mooncake"] if pool.backend == "mooncake" else [pool.backend]
-    if pool.backend == "memcache":
-        sections.append("memcache_meta")
     out = []
-    for section in sections:
+    for section in SECTIONS[pool.backend]:
         ours = getattr(mine, section).model_dump()
         theirs = getattr(pool, section).model_dump()
         for key in ours:

@@ -406,11 +406,32 @@ async def _check_started(actors: list[Any], node_id: str, config: PoolConfig) ->
             )
 
 
-async def find_manager(config: PoolConfig) -> Any:
-    """The manager of ``config``'s pool, from inside one of its actors (off the loop)."""
-    return await asyncio.to_thread(
-        ray.get_actor, manager_name(config.name), namespace=config.namespace
-    )
+class ManagerLink:
+    """A pool actor's calls to its manager (for background work: the ledger): the manager
+    is found on first use and again after a failure; a failed call answers None and is
+    logged once, with ``consequence``."""
+
+    def __init__(self, config: PoolConfig, who: str, consequence: str) -> None:
+        self._config = config
+        self._who = who
+        self._consequence = consequence
+        self._manager: Any = None
+        self._warned = False
+
+    async def call(self, method: str, *args: Any) -> Any:
+        try:
+            if self._manager is None:
+                self._manager = await asyncio.to_thread(
+                    ray.get_actor, manager_name(self._config.name), namespace=self._config.namespace
+                )
+            return await getattr(self._manager, method).remote(*args)
+        except (ValueError, ray.exceptions.RayError) as exc:
+            self._manager = None
+            if not self._warned:
+                self._warned = True
+                logger.warning("kvray %s: %s failed (%s): %s", self._who, method, exc,
+                               self._consequence)  # fmt: skip
+            return None
 
 
 def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:

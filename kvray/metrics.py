@@ -17,9 +17,8 @@ import asyncio
 import logging
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import fields
+from typing import Any
 
-from kvray.misses import REASONS
 from kvray.stats import RankStats
 
 logger = logging.getLogger(__name__)
@@ -98,28 +97,26 @@ class StatsExporter:
             k: metrics.Counter(name, description=doc, tag_keys=TAG_KEYS)
             for k, (name, doc) in SERVER_COUNTERS.items()
         }
-        self._last = RankStats()
-        self._last_missed = dict.fromkeys(REASONS, 0)
-        self._last_server: dict[str, float] = {}
+        self._seen: dict[str, float] = {}
+        """Each counter's value at the last export (counters advance by the difference)."""
+
+    def _advance(self, counter: Any, key: str, value: float, tags: dict[str, str]) -> None:
+        delta = value - self._seen.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta, tags=tags)
+        self._seen[key] = value
 
     def export(self, stats: RankStats, segment_bytes: int | None = None) -> None:
-        now = RankStats.from_dict(stats.to_dict())
-        for f in fields(RankStats):
-            if f.name in self._counters:
-                delta = getattr(now, f.name) - getattr(self._last, f.name)
-                if delta > 0:
-                    self._counters[f.name].inc(delta, tags=self._tags)
-            elif f.name in self._gauges:
-                self._gauges[f.name].set(getattr(now, f.name), tags=self._tags)
+        for name, counter in self._counters.items():
+            self._advance(counter, name, getattr(stats, name), self._tags)
+        for name, gauge in self._gauges.items():
+            gauge.set(getattr(stats, name), tags=self._tags)
         # Lookups count the lookup-time reasons, clients the load-time ones.
-        for reason, n in now.misses().items():
-            delta = n - self._last_missed[reason]
-            if delta > 0:
-                self._missed.inc(delta, tags={**self._tags, "reason": reason})
-            self._last_missed[reason] = n
+        for reason, n in stats.misses().items():
+            tags = {**self._tags, "reason": reason}
+            self._advance(self._missed, f"missed:{reason}", n, tags)
         if segment_bytes is not None:
             self._segment.set(segment_bytes, tags=self._tags)
-        self._last = now
 
     def export_server(self, values: dict[str, float]) -> None:
         """The server's own metrics (names as the server has them)."""
@@ -127,12 +124,8 @@ class StatsExporter:
             if key in values:
                 gauge.set(values[key], tags=self._tags)
         for key, counter in self._server_counters.items():
-            if key not in values:
-                continue
-            delta = values[key] - self._last_server.get(key, 0.0)
-            if delta > 0:
-                counter.inc(delta, tags=self._tags)
-            self._last_server[key] = values[key]
+            if key in values:
+                self._advance(counter, key, values[key], self._tags)
 
 
 def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:

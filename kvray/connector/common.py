@@ -154,7 +154,17 @@ def check_host_transfers(pool: PoolConfig) -> None:
         )
 
 
-_doctored: set[str] = set()
+_logged: set[str] = set()
+"""What this process has logged about a pool (the scheduler and workers of one process
+attach alike): ``<check>:<pool name>``."""
+
+
+def _first_time(check: str, pool: PoolConfig) -> bool:
+    key = f"{check}:{pool.name}"
+    if key in _logged:
+        return False
+    _logged.add(key)
+    return True
 
 
 def _doctor_once(pool: PoolConfig) -> None:
@@ -162,9 +172,8 @@ def _doctor_once(pool: PoolConfig) -> None:
     logged once per process (the scheduler and workers of one process attach alike)."""
     from kvray import doctor
 
-    if pool.name in _doctored:
+    if not _first_time("doctor", pool):
         return
-    _doctored.add(pool.name)
     for f in doctor.check_pool(pool, os.environ, doctor.Host.probe(), hash_seed=False):
         if f.level != "ok":
             logger.warning("kvray doctor: %s", f.line())
@@ -175,9 +184,8 @@ def _compare_config_once(pool: PoolConfig) -> None:
     them (the seeds' MOONCAKE_CONFIG_PATH, DS_WORKER_ADDR, ...), logged once per process."""
     from kvray.engine_env import config_differences
 
-    if pool.name in _compared:
+    if not _first_time("environment", pool):
         return
-    _compared.add(pool.name)
     diffs = config_differences(pool, os.environ)
     if diffs:
         logger.warning(
@@ -190,16 +198,11 @@ def _compare_config_once(pool: PoolConfig) -> None:
         )
 
 
-_compared: set[str] = set()
-
-
 def _compare_ucm_once(pool: PoolConfig, settings: UcmSettings) -> None:
     """UCM's store settings against the pool's, and the UCM keys kvray ignores, logged
     once per process."""
-    key = f"ucm:{pool.name}"
-    if key in _compared:
+    if not _first_time("ucm", pool):
         return
-    _compared.add(key)
     diffs = ucm.differences(pool, settings.pool)
     if diffs:
         logger.warning(

@@ -6,6 +6,8 @@ answer and a pool that is not there are clear errors that end the server quickly
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import sys
@@ -87,6 +89,7 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
     )
     extra = {"pool_config": str(pool_config)}
     files = Files(tmp_path / "run" / "kvray.kvray")
+    psm_before = set(glob.glob("/dev/shm/psm_*"))
     a, port_a = _serve("embedded-a", tiny_model, env, tmp_path, extra)
     b = None
     keeper = None
@@ -126,6 +129,21 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
         if keeper is not None and keeper.is_running():
             keeper.terminate()
             keeper.wait(60)
+        # A server stopped by force (this test timed out: its finally stops them) cannot
+        # unlink vLLM's psm_* queues: those no live process maps any more are removed.
+        mapped = _mapped_psm()
+        for path in set(glob.glob("/dev/shm/psm_*")) - psm_before - mapped:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _mapped_psm() -> set[str]:
+    """The /dev/shm/psm_* files some live process maps."""
+    out: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError), open(maps) as f:
+            out |= {ln.split()[-1] for ln in f if "/dev/shm/psm_" in ln}
+    return out
 
 
 @pytest.mark.parametrize("case", ["dead cluster", "no pool"])

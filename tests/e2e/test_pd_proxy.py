@@ -76,11 +76,15 @@ class Server:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.log = name, log
         self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
+        # A fatal signal makes each Python process print every thread's stack into the log
+        # (see dump_stacks): a server that hangs at startup shows where.
+        env = {**env, "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def wait_healthy(self, url: str, deadline: float) -> None:
+        started = time.monotonic()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
@@ -90,7 +94,18 @@ class Server:
             except OSError:
                 pass
             time.sleep(1)
-        pytest.fail(f"{self.name} not healthy after {STARTUP_S} s:\n{self.tail()}")
+        self.dump_stacks()
+        waited = time.monotonic() - started
+        pytest.fail(f"{self.name} not healthy after {waited:.0f} s:\n{self.tail(30000)}")
+
+    def dump_stacks(self) -> None:
+        """SIGABRT to every process of the server: with PYTHONFAULTHANDLER each writes its
+        threads' Python stacks to the log as it dies (only for a server that is failing)."""
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
+        for p in group:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGABRT)
+        psutil.wait_procs(group, timeout=5)
 
     def tail(self, n: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-n:]

@@ -25,7 +25,7 @@ from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
 
-_LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED)
+_LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED, KeyStatus.CORRUPT)
 """DRAM outcomes the SSD tier may still turn into a hit (it rewrites every byte)."""
 
 

@@ -868,6 +868,14 @@ class PoolConfig(_Strict):
     segment. The first copy goes to the writer's own segment."""
     io_threads: int = Field(4, ge=1, le=64)
     """Threads each BackendClient uses for the backend's blocking batch calls."""
+    checksum: bool = False
+    """Every block stored in the backend carries an xxh3-64 of its key and bytes (an
+    8-byte trailer written with it), checked on every load before the engine may use the
+    bytes: a mismatch is a failed load (recomputed), counted, and the block is removed.
+    Off by default: on the 2-core test machine it costs more than 5 % of the load rate
+    (README, "Block checksums"). All clients of a pool agree (the setting is the
+    pool's). The SSD tier checks its own files either way; the NPU device path
+    (``yuanrong.device: npu``) has no trailer."""
     transfer_window_size: ByteSize = 64 * MiB
     """Shared-memory staging window per Pool client and rank (copies of foreign tensors)."""
     call_timeout_s: float = Field(60.0, gt=0)

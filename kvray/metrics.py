@@ -33,6 +33,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "put_pool_full": ("kvray_put_pool_full_blocks", "Blocks not stored: the pool was full"),
     "get_keys": ("kvray_get_blocks", "Blocks (keys) loaded"),
     "get_bytes": ("kvray_get_bytes", "Bytes loaded"),
+    "get_corrupt": ("kvray_corrupt_blocks", "Blocks whose bytes failed their checksum on load"),
     "removed": ("kvray_removed_blocks", "Blocks removed through kvray"),
     "lookups": ("kvray_lookups", "Prefix lookups answered"),
     "lookup_blocks": ("kvray_lookup_blocks", "Blocks looked up"),

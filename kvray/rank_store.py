@@ -113,10 +113,12 @@ class RankStore:
         statuses = await self.backend.get(batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         missed = sum(s is KeyStatus.NOT_FOUND for s in statuses)
+        corrupt = sum(s is KeyStatus.CORRUPT for s in statuses)
         self.stats.get_keys += int(ok.sum())
         self.stats.get_bytes += int(batch.key_nbytes()[ok].sum()) if len(batch) else 0
         self.stats.get_missed += missed
-        self.stats.get_failed += len(statuses) - int(ok.sum()) - missed
+        self.stats.get_corrupt += corrupt
+        self.stats.get_failed += len(statuses) - int(ok.sum()) - missed - corrupt
         return statuses
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -20,6 +20,8 @@ class RankStats:
     get_bytes: int = 0
     get_missed: int = 0
     get_failed: int = 0
+    get_corrupt: int = 0
+    """Blocks whose bytes failed their checksum on load (not in ``get_failed``)."""
     removed: int = 0
     lookups: int = 0
     lookup_blocks: int = 0
@@ -61,10 +63,12 @@ class RankStats:
 
     def misses(self) -> dict[str, int]:
         """Missed blocks by reason: the lookups' (``miss_*``), and the loads' (a get that
-        found nothing, ``gone_at_load``; one that failed, ``load_failed``)."""
+        found nothing, ``gone_at_load``; one that failed, ``load_failed``; one whose bytes
+        failed their checksum, ``corrupt``)."""
         out = {r: getattr(self, f"miss_{r}") for r in LOOKUP_REASONS}
         out["gone_at_load"] = self.get_missed
         out["load_failed"] = self.get_failed
+        out["corrupt"] = self.get_corrupt
         return out
 
     @property

@@ -16,6 +16,9 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
   Ray call per batch, bytes moved by the rank's BackendClient actor, nothing through
   Ray's object store);
 - ``kvray staged``: the same for ordinary arrays, copied through the staging window;
+- ``kvray no-checksum`` / ``kvray multi no-checksum``: the same as ``kvray`` and ``kvray
+  multi`` on a second pool with ``checksum: false``: the difference is what the block
+  checksums (on by default) cost, printed as "checksum cost";
 - ``raw multi`` / ``raw multi xN`` / ``kvray multi``: the same bytes with each block in
   ``2 x --layers`` pieces laid out as vLLM's per-layer KV tensors hold them, the
   connector's real transfers (``kvray multi`` sends the very ``TransferBatch`` the
@@ -449,6 +452,10 @@ def main() -> int:
     else:
         pool_cfg["datasystem"] = {"shared_memory_size": segment}
     pool = Pool.start(PoolConfig.from_dict(pool_cfg, environ={}))
+    log("== kvray without checksums: a second pool, checksum: false, its own server")
+    bare = Pool.start(
+        PoolConfig.from_dict({**pool_cfg, "name": "bench-bare", "checksum": False}, environ={})
+    )
     try:
         src = pool.empty(nbytes, np.uint8)
         src[:] = payload
@@ -459,13 +466,21 @@ def main() -> int:
         region = pool._region_of(src)[0].spec  # noqa: SLF001 - the connector's descriptors
         out_region = pool._region_of(out)[0].spec  # noqa: SLF001
         actor = pool._loop.run(pool._actor(0))  # noqa: SLF001 - the rank's BackendClient
+        bare_src = bare.empty(nbytes, np.uint8)
+        bare_src[:] = payload
+        bare_out = bare.empty(nbytes, np.uint8)
+        bare_src_rows = list(bare_src.reshape(blocks, block))
+        bare_out_rows = list(bare_out.reshape(blocks, block))
+        bare_region = bare._region_of(bare_src)[0].spec  # noqa: SLF001
+        bare_out_region = bare._region_of(bare_out)[0].spec  # noqa: SLF001
+        bare_actor = bare._loop.run(bare._actor(0))  # noqa: SLF001
 
-        def actor_call(op: str, region_spec: Any) -> None:
+        def actor_call(op: str, region_spec: Any, on: Any = actor) -> None:
             """What the connector's worker sends per step: one TransferBatch of every
             block's per-layer pieces to the rank's BackendClient actor."""
             offs, lens = shapes["multi"]
             batch = TransferBatch(region_spec, tuple(keys), offs, lens)
-            ref = actor.put.remote(batch, False) if op == "put" else actor.get.remote(batch)
+            ref = on.put.remote(batch, False) if op == "put" else on.get.remote(batch)
             statuses = ray.get(ref)
             assert all(st.name == "OK" for st in statuses), f"kvray multi {op} failed"
 
@@ -494,6 +509,9 @@ def main() -> int:
         def kv_clear() -> None:
             pool.remove(keys, force=True)
 
+        def bare_clear() -> None:
+            bare.remove(keys, force=True)
+
         def raw_clear() -> None:
             raw.clear(keys)
 
@@ -518,6 +536,10 @@ def main() -> int:
                 kv_clear, lambda: pool.put(keys, src_rows), reset(out),
                 lambda: pool.get(keys, out=out_rows), same(out),
             ),
+            "kvray no-checksum": (
+                bare_clear, lambda: bare.put(keys, bare_src_rows), reset(bare_out),
+                lambda: bare.get(keys, out=bare_out_rows), same(bare_out),
+            ),
             "kvray staged": (
                 kv_clear, lambda: pool.put(keys, plain_src), reset(plain_out),
                 lambda: pool.get(keys, out=plain_out), same(plain_out),
@@ -533,6 +555,10 @@ def main() -> int:
             "kvray multi": (
                 kv_clear, lambda: actor_call("put", region), reset(out),
                 lambda: actor_call("get", out_region), same(out),
+            ),
+            "kvray multi no-checksum": (
+                bare_clear, lambda: actor_call("put", bare_region, bare_actor), reset(bare_out),
+                lambda: actor_call("get", bare_out_region, bare_actor), same(bare_out),
             ),
         }  # fmt: skip
         names = list(paths)
@@ -580,6 +606,7 @@ def main() -> int:
             backend, pool.server_address, space.rank_key_strs(hashes, 0), args.lookup_reps
         )
     finally:
+        bare.shutdown()
         pool.shutdown()
         ray.shutdown()
         raw.close()
@@ -615,6 +642,17 @@ def main() -> int:
         f"stronger of raw and raw x{threads} of the same shape (one piece per block, or "
         f"multi: {pieces} pieces per block as {args.layers} layers' K and V)"
     )
+    # The checksums' cost: the same path with and without them, same run, reps interleaved.
+    cost = {
+        shape: {
+            op: 1 - gbps[f"kvray{shape}"][op] / gbps[f"kvray{shape} no-checksum"][op]
+            for op in ("put", "get")
+        }
+        for shape in ("", " multi")
+    }
+    print("\nchecksum cost (1 - GB/s with / without; the load path is get)")
+    for shape, c in cost.items():
+        print(f"  kvray{shape:<14}put {c['put']:>+6.1%}   get {c['get']:>+6.1%}")
     lk = {
         "p50": statistics.median(lat),
         "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
@@ -637,6 +675,7 @@ def main() -> int:
             "gbps": gbps,
             "reps_s": times,
             "lookup_ms": lk,
+            "checksum_cost": {(s.strip() or "single"): c for s, c in cost.items()},
             "params": {
                 "backend": backend, "blocks": blocks, "block_bytes": block,
                 "pieces_multi": pieces, "io_threads": threads, "reps": args.reps,

@@ -11,8 +11,18 @@ __all__ = ["Backend", "KeyStatus", "make_backend"]
 def make_backend(
     config: PoolConfig, server_address: str, *, contribute_memory: bool = True
 ) -> Backend:
-    """Build the backend client ``config.backend`` names; native modules import lazily so
-    that a process only loads the backend it uses."""
+    """The backend client ``config.backend`` names, with checksum trailers when
+    ``config.checksum`` (host memory only)."""
+    backend = _native(config, server_address, contribute_memory=contribute_memory)
+    if config.checksum and not (config.backend == "yuanrong" and config.yuanrong.device == "npu"):
+        from kvray.backends.checksum import ChecksummedBackend
+
+        return ChecksummedBackend(backend, threads=min(config.io_threads, 4))
+    return backend
+
+
+def _native(config: PoolConfig, server_address: str, *, contribute_memory: bool) -> Backend:
+    """Native modules import lazily so that a process only loads the backend it uses."""
     if config.backend == "mooncake":
         from kvray.backends.mooncake import MooncakeBackend
 

@@ -45,6 +45,9 @@ class KeyStatus(enum.Enum):
     """bytes did not move (peer gone, lease expired, ...); destination must not be used."""
     SIZE_MISMATCH = "size_mismatch"
     """get: the stored object's size differs from the destination's."""
+    CORRUPT = "corrupt"
+    """get: the bytes arrived but fail the block's checksum; the destination must not be
+    used (the block is removed from the pool)."""
     INVALID = "invalid"
     """the backend rejected the key or arguments."""
     ERROR = "error"

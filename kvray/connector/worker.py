@@ -687,8 +687,10 @@ class KVRayWorker:
         self.stats.add("loaded_bytes", (len(block_ids) - len(failed)) * self._row_bytes)
         self.stats.add("load_failed_blocks", len(failed))
         gone = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.NOT_FOUND}
+        bad = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.CORRUPT}
         self.stats.add("miss_gone_at_load", len(gone))
-        self.stats.add("miss_load_failed", len(failed - gone))
+        self.stats.add("miss_corrupt", len(bad))
+        self.stats.add("miss_load_failed", len(failed - gone - bad))
         if failed:
             logger.warning(
                 "rank %d: %d of %d pool blocks failed to load; reported to vLLM",

@@ -32,12 +32,20 @@ def tiny_model(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
-def start_pool(name: str, world_size: int, segment: str, backend: str = "mooncake"):  # type: ignore[no-untyped-def]
+def start_pool(  # type: ignore[no-untyped-def]
+    name: str, world_size: int, segment: str, backend: str = "mooncake", checksum: bool = False
+):
     """A pool with its embedded server: a mooncake_master (each rank contributes
     ``segment``) or a datasystem worker (``segment`` of shared memory in all)."""
     from kvray import Pool, PoolConfig
 
-    data: dict = {"name": name, "world_size": world_size, "detached": False, "backend": backend}
+    data: dict = {
+        "name": name,
+        "world_size": world_size,
+        "detached": False,
+        "backend": backend,
+        "checksum": checksum,
+    }
     if backend == "mooncake":
         data["mooncake"] = {"global_segment_size": segment, "local_buffer_size": "32MB"}
     else:
@@ -47,7 +55,9 @@ def start_pool(name: str, world_size: int, segment: str, backend: str = "mooncak
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    p = start_pool("e2e", 1, "256MB")
+    """The pool of most e2e tests, with block checksums on: every load they make is
+    verified (test_connector has the test where one fails)."""
+    p = start_pool("e2e", 1, "256MB", checksum=True)
     yield p
     p.shutdown()
 

@@ -268,6 +268,63 @@ def test_negative_control_corrupted_blocks_change_the_output(
     )
 
 
+def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
+    pool, ray_cluster, tiny_model, baseline, tmp_path
+):
+    """The negative control's blocks, but changed inside the backend (one bit of each
+    value, through a client without checksums, the trailer left as it was): the load
+    verifies every block before vLLM may use it, so all four are reported failed and
+    recomputed (the baseline's tokens, where the control above got other tokens), counted
+    as corrupt, and removed from the pool; the recomputed blocks are stored again, and the
+    next engine loads those."""
+    import asyncio
+
+    import numpy as np
+
+    from kvray.backends import make_backend
+    from kvray.backends.base import KeyStatus
+    from kvray.keys import KeySpace, KVLayout
+
+    ns = "tiny-corrupt"
+    spec = {"model": tiny_model, "connector": _connector(model_namespace=ns, load_async=False)}
+    stored = run_engine(ray_cluster, tmp_path, "corrupt-store", {
+        **spec, "runs": [[P1]], "wait_saves_for": "e2e", "record_hashes": True})  # fmt: skip
+    hashes = [bytes.fromhex(h) for h in stored["block_hashes"][0][:4]]
+    keys = KeySpace(ns, KVLayout("float32", 128, 4, 64).tag()).lookup_key_strs(hashes)
+    value = 2 * 2 * 128 * 4 * 64 * 4 + 8  # K and V, 2 layers, float32; and the trailer
+
+    async def flip_one_bit_each() -> None:
+        client = make_backend(pool.config, pool.server_address, contribute_memory=False)
+        raw = client.inner  # type: ignore[attr-defined]  (the checksummed client's backend)
+        buf = np.zeros(value, np.uint8)
+        await raw.register_region(buf.ctypes.data, value)
+        try:
+            for key in keys:
+                assert await raw.get([key], [[buf.ctypes.data]], [[value]]) == [KeyStatus.OK]
+                buf[1000] ^= 0x04
+                (st,) = await raw.put([key], [[buf.ctypes.data]], [[value]], overwrite=True)
+                assert st is KeyStatus.OK
+        finally:
+            await raw.unregister_region(buf.ctypes.data)
+            await client.close()
+
+    before = pool.stats().total.get_corrupt
+    asyncio.run(flip_one_bit_each())
+    loaded = run_engine(ray_cluster, tmp_path, "corrupt-load", {**spec, "runs": [[P1]]})
+    assert loaded["runs"][0]["outputs"][0] == baseline["P1"]
+    (line,) = request_lines(loaded["log"])
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 0, 4), line
+    assert pool.stats().total.get_corrupt - before == 4
+    assert pool.stats().total.misses()["corrupt"] >= 4
+    # The bad values were removed and the recomputed blocks stored again: a third engine
+    # loads all four, verified, and gets the baseline's tokens.
+    again = run_engine(ray_cluster, tmp_path, "corrupt-again", {**spec, "runs": [[P1]]})
+    assert again["runs"][0]["outputs"][0] == baseline["P1"]
+    (line,) = request_lines(again["log"])
+    assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0), line
+    assert pool.stats().total.get_corrupt - before == 4
+
+
 def _layerwise_keys(placement: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
     from kvray.keys import KeySpace, KVLayout
 

@@ -1,6 +1,6 @@
 """The backend contract (kvray/backends/base.py), checked directly against each backend:
-the real Mooncake and datasystem servers, kvray's SSD tier on the real disk, and kvray's
-MemCache adapter over a FAKE
+the real Mooncake and datasystem servers (each also behind kvray's checksum trailers, the
+pool's default), kvray's SSD tier on the real disk, and kvray's MemCache adapter over a FAKE
 MemCache data path (tests/fakes/memcache.py: the real one needs the Ascend driver). A new
 backend joins by adding a factory to BACKENDS; the tests stay unchanged."""
 
@@ -54,10 +54,22 @@ def _ssd(request) -> Backend:  # type: ignore[no-untyped-def]
     return SsdBackend(SsdConfig(path=str(path), quota="64MB", io_threads=2), rank=0)
 
 
+def _checksummed(factory):  # type: ignore[no-untyped-def]
+    def make(request) -> Backend:  # type: ignore[no-untyped-def]
+        from kvray.backends.checksum import ChecksummedBackend
+
+        return ChecksummedBackend(factory(request))
+
+    return make
+
+
 BACKENDS = {
     "mooncake": _mooncake,
+    "mooncake+checksum": _checksummed(_mooncake),
     "yuanrong": _yuanrong,
+    "yuanrong+checksum": _checksummed(_yuanrong),
     "memcache-fake": _memcache_fake,
+    "memcache-fake+checksum": _checksummed(_memcache_fake),
     "ssd": _ssd,
 }
 """Each factory gets the test's ``request`` and pulls the server fixture it needs."""

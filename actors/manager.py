@@ -35,6 +35,10 @@ GONE_NODE_FORGET_S = 300.0
 """How long a dead node's actors stay listed (``kvray status`` shows them "node gone")
 before the manager forgets them; a node that comes back gets new ones (a new node id)."""
 RECONCILE_S = 15.0
+SUPERVISE_S = 1.0
+"""How often the manager checks its embedded server; one that died is restarted on the same
+address (the clients reconnect there by themselves; what it held is gone)."""
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 class PoolManagerActor:
@@ -91,12 +95,17 @@ class PoolManagerActor:
         self._reconciler: asyncio.Task[None] | None = None
         self._exporter: asyncio.Task[None] | None = None
         self._server_metrics: dict[str, float] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self._server_restarts = 0
+        self._stopping = False
 
     def _ensure_reconciler(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
         if self._reconciler is None:
             loop = asyncio.get_running_loop()
             self._reconciler = loop.create_task(self._reconcile())
+            if self._server is not None:
+                self._supervisor = loop.create_task(self._supervise(self._server))
             if isinstance(self._server, MooncakeMaster):
                 self._exporter = loop.create_task(self._export_server())
 
@@ -128,6 +137,40 @@ class PoolManagerActor:
         """The embedded server's latest own counters (empty: none, or not read yet)."""
         self._ensure_reconciler()
         return dict(self._server_metrics)
+
+    async def _supervise(self, server: MooncakeMaster | DatasystemWorker | MetaService) -> None:
+        """Restart the embedded server on its address when it dies (crash, OOM kill),
+        backing off while restarts fail; the pool's clients reconnect by themselves."""
+        name, kind = self._config.name, self._server_kind
+        delay = SUPERVISE_S
+        while True:
+            await asyncio.sleep(delay)
+            if self._stopping or server.alive():
+                delay = SUPERVISE_S
+                continue
+            logger.warning(
+                "pool %s: the embedded %s (pid %s) died; restarting it on %s (the blocks it "
+                "held are gone: they read as misses)",
+                name,
+                kind,
+                server.pid,
+                self._address,
+            )
+            try:
+                await asyncio.to_thread(server.restart)
+            except Exception as exc:
+                delay = min(RESTART_BACKOFF_MAX_S, max(2 * delay, 2.0))
+                logger.error(
+                    "pool %s: restarting the %s failed (%s); next try in %.0f s",
+                    name, kind, exc, delay,
+                )  # fmt: skip
+                continue
+            self._server_restarts += 1
+            delay = SUPERVISE_S
+            logger.warning(
+                "pool %s: the embedded %s is back on %s (pid %s, restart %d)",
+                name, kind, self._address, server.pid, self._server_restarts,
+            )  # fmt: skip
 
     async def _reconcile(self) -> None:
         """Reconcile loop: forget the actors of nodes dead for GONE_NODE_FORGET_S."""
@@ -244,6 +287,7 @@ class PoolManagerActor:
         return self._fingerprints
 
     async def spec(self) -> dict[str, Any]:
+        self._ensure_reconciler()
         return {
             "config_json": self._config_json,
             "server_address": self._address,
@@ -251,6 +295,7 @@ class PoolManagerActor:
             "embedded": self._server is not None,
             "server_pid": self._server.pid if self._server else None,
             "server_alive": self._server.alive() if self._server else None,
+            "server_restarts": self._server_restarts,
             "started_at": self._started_at,
             "node_pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -258,5 +303,8 @@ class PoolManagerActor:
         }
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self._server is not None:
             self._server.stop()

@@ -128,19 +128,11 @@ class MooncakeMaster:
 
     def start(self, timeout_s: float = 15.0, attempts: int = 3) -> str:
         """Start and wait until the RPC port accepts; retry on a port race."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, attempts + 1):
             self.rpc_port, self.metrics_port = free_port(self.host), free_port(self.host)
-            with open(self.log_path, "ab") as log:
-                self._proc = subprocess.Popen(
-                    self.command(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=die_with_parent,
-                )
+            self._launch()
             if self._wait_ready(timeout_s):
-                logger.info("mooncake_master pid %d listening on %s", self._proc.pid, self.address)
+                logger.info("mooncake_master pid %d listening on %s", self.pid, self.address)
                 return self.address
             self.stop()
             logger.warning("mooncake_master attempt %d/%d did not come up", attempt, attempts)
@@ -148,6 +140,37 @@ class MooncakeMaster:
             f"mooncake_master did not start after {attempts} attempts; last lines of "
             f"{self.log_path}:\n{self._log_tail()}"
         )
+
+    def restart(self, timeout_s: float = 15.0) -> str:
+        """Start again after a crash or stop, on the same ports: the clients find it there
+        and mount their segments again (what it held is gone)."""
+        self.stop()
+        self._launch()
+        if not self._wait_ready(timeout_s):
+            self.stop()
+            raise BackendUnavailableError(
+                f"mooncake_master did not restart on {self.address}; last lines of "
+                f"{self.log_path}:\n{self._log_tail()}"
+            )
+        logger.info("mooncake_master pid %d listening again on %s", self.pid, self.address)
+        return self.address
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (tests); :meth:`restart` brings it back."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _launch(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
 
     def _wait_ready(self, timeout_s: float) -> bool:
         assert self._proc is not None, "MooncakeMaster._wait_ready before start"

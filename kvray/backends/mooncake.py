@@ -82,7 +82,9 @@ def _raise_if_unavailable(op: str, codes: Sequence[int], address: str) -> None:
     if codes and all(c in _UNAVAILABLE for c in codes):
         raise BackendUnavailableError(
             f"mooncake {op}: every key failed with code {codes[0]}: the master at {address} "
-            "is unreachable or dropped this client"
+            "is unreachable or dropped this client. The client stays: once a master listens "
+            "on that address again (the pool restarts an embedded one itself) it mounts its "
+            "segment there and serves; blocks the old master held are misses"
         )
 
 

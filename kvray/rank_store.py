@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvray.backends.base import Backend, KeyStatus
+from kvray.backends.base import Backend, KeyStatus, unique_rounds
 from kvray.errors import RegionError
 from kvray.shm import RegionSpec, SharedRegion
 from kvray.stats import RankStats
@@ -97,9 +97,35 @@ class RankStore:
         sizes: list[list[int]] = batch.lengths.tolist()
         return ptrs, sizes
 
+    async def _each_once(
+        self,
+        op: Callable[[list[str], list[list[int]], list[list[int]]], Awaitable[list[KeyStatus]]],
+        keys: Sequence[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+    ) -> list[KeyStatus]:
+        """``op`` over the batch with every key at most once per native call: a key
+        repeats in a batch when two requests of one engine step share a prefix, and
+        Mooncake's ``batch_get_into`` then fills only one of its destinations while it
+        reports every one OK (measured: the others keep their old bytes). Rounds run one
+        after the other; a batch without repeats is one call, as before."""
+        rounds = unique_rounds(keys)
+        if len(rounds) == 1:
+            return await op(list(keys), ptrs, sizes)
+        out: list[KeyStatus] = [KeyStatus.ERROR] * len(keys)
+        for idx in rounds:
+            sub = await op([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx])
+            for i, status in zip(idx, sub, strict=True):
+                out[i] = status
+        return out
+
     async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]:
         ptrs, sizes = await self._addresses(batch)
-        statuses = await self.backend.put(batch.keys, ptrs, sizes, overwrite=overwrite)
+
+        async def put(k: list[str], p: list[list[int]], s: list[list[int]]) -> list[KeyStatus]:
+            return await self.backend.put(k, p, s, overwrite=overwrite)
+
+        statuses = await self._each_once(put, batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         self.stats.put_keys += int(ok.sum())
         self.stats.put_bytes += int(batch.key_nbytes()[ok].sum()) if len(batch) else 0
@@ -110,7 +136,7 @@ class RankStore:
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
         ptrs, sizes = await self._addresses(batch)
-        statuses = await self.backend.get(batch.keys, ptrs, sizes)
+        statuses = await self._each_once(self.backend.get, batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         missed = sum(s is KeyStatus.NOT_FOUND for s in statuses)
         corrupt = sum(s is KeyStatus.CORRUPT for s in statuses)

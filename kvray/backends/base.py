@@ -31,6 +31,20 @@ Pieces = Sequence[Sequence[int]]
 """Per key, the addresses (or sizes) of its pieces, in order."""
 
 
+def unique_rounds(keys: Sequence[str]) -> list[list[int]]:
+    """The indices of ``keys`` in rounds where each key appears once: first occurrences,
+    then second ones, ...; ``[[0, 1, ..., n-1]]`` when no key repeats."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for i, key in enumerate(keys):
+        r = seen.get(key, 0)
+        seen[key] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(i)
+    return rounds or [[]]
+
+
 class KeyStatus(enum.Enum):
     """Outcome of one key in a batch."""
 

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,6 +50,7 @@ from _engines import (  # noqa: E402
     run_meta,
     start_bench_pool,
     start_peer_master,
+    wait_http_ready,
 )
 
 MODES = ("none", "local", "peer", "kvray")
@@ -96,16 +96,7 @@ class Server:
         )
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.mode} exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"server {self.mode} not healthy in {timeout_s:.0f} s:\n{self.tail()}")
+        wait_http_ready(self.proc, self.port, self.mode, self.tail, timeout_s)
 
     def tail(self) -> str:
         return self.log_path.read_text()[-4000:]

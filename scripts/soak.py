@@ -56,7 +56,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _engines import kvray_transfer_config, run_meta  # noqa: E402
+from _engines import kvray_transfer_config, run_meta, wait_http_ready  # noqa: E402
 
 FAULTS = ("kill_client", "kill_master", "remove_blocks", "corrupt_ssd", "pool_full", "shm_full")
 BLOCK = 128  # vLLM's CPU block size for the tiny model
@@ -87,16 +87,7 @@ class Server:
         )
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"server {self.name} not healthy in {timeout_s:.0f} s:\n{self.tail()}")
+        wait_http_ready(self.proc, self.port, self.name, self.tail, timeout_s)
 
     def tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -113,13 +104,23 @@ class Server:
             return str(r.read().decode())
 
     def stop(self) -> None:
-        """SIGTERM (vLLM stops its engine and removes its queues), SIGKILL if it hangs."""
+        """SIGTERM to the API server alone (it stops its engine processes and removes
+        their ``psm_*`` queues; SIGTERM to the whole group once left three behind), then
+        SIGKILL to whatever of the group is left after they had time to exit."""
+        import psutil
+
+        group = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == self.proc.pid:
+                    group.append(p)
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 log(f"server {self.name} ignored SIGTERM for 90 s: SIGKILL")
+        psutil.wait_procs(group, timeout=30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
         self.proc.wait()

@@ -26,7 +26,7 @@ import asyncio
 import ctypes
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +37,8 @@ from kvray.backends.base import Backend, KeyStatus, Pieces
 
 logger = logging.getLogger(__name__)
 
+Slots = Sequence[int]
+"""Addresses of trailer slots in the arena."""
 TRAILER = 8
 """Bytes of the checksum stored after each block."""
 CHUNK_BYTES = 64 << 20
@@ -147,44 +149,47 @@ class ChecksummedBackend(Backend):
             [[*s, TRAILER] for s in sizes],
         )
 
-    async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+    async def _pipelined(
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        chunk: Callable[[Sequence[str], Pieces, Pieces, Sequence[int]], Awaitable[list[KeyStatus]]],
     ) -> list[KeyStatus]:
-        if not keys:
-            return []
+        """``chunk(keys, ptrs, sizes, trailer slots)`` over the batch's chunks at once,
+        with trailer slots held until every chunk returned."""
         slots = await self._arena.take(len(keys))
         try:
-
-            async def chunk(lo: int, hi: int) -> list[KeyStatus]:
-                k, p, s, t = keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi]
-                await self._in_thread(self._seal, k, p, s, t)
-                tp, ts = self._with_trailers(p, s, t)
-                return await self.inner.put(k, tp, ts, overwrite=overwrite)
-
-            parts = await asyncio.gather(*(chunk(lo, hi) for lo, hi in _chunks(sizes)))
+            parts = await asyncio.gather(
+                *(
+                    chunk(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi])
+                    for lo, hi in _chunks(sizes)
+                )
+            )
         finally:
             self._arena.give(slots)
         return [st for part in parts for st in part]
 
+    async def put(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+    ) -> list[KeyStatus]:
+        async def chunk(k: Sequence[str], p: Pieces, s: Pieces, t: Slots) -> list[KeyStatus]:
+            await self._in_thread(self._seal, k, p, s, t)
+            return await self.inner.put(k, *self._with_trailers(p, s, t), overwrite=overwrite)
+
+        return await self._pipelined(keys, ptrs, sizes, chunk) if keys else []
+
     async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+        async def chunk(k: Sequence[str], p: Pieces, s: Pieces, t: Slots) -> list[KeyStatus]:
+            statuses = await self.inner.get(k, *self._with_trailers(p, s, t))
+            if KeyStatus.OK not in statuses:
+                return statuses
+            checked: list[KeyStatus] = await self._in_thread(self._check, k, p, s, t, statuses)
+            return checked
+
         if not keys:
             return []
-        slots = await self._arena.take(len(keys))
-        try:
-
-            async def chunk(lo: int, hi: int) -> list[KeyStatus]:
-                k, p, s, t = keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi]
-                tp, ts = self._with_trailers(p, s, t)
-                statuses = await self.inner.get(k, tp, ts)
-                if KeyStatus.OK not in statuses:
-                    return statuses
-                checked: list[KeyStatus] = await self._in_thread(self._check, k, p, s, t, statuses)
-                return checked
-
-            parts = await asyncio.gather(*(chunk(lo, hi) for lo, hi in _chunks(sizes)))
-        finally:
-            self._arena.give(slots)
-        out = [st for part in parts for st in part]
+        out = await self._pipelined(keys, ptrs, sizes, chunk)
         bad = [k for k, st in zip(keys, out, strict=True) if st is KeyStatus.CORRUPT]
         if bad:
             self.corrupt += len(bad)

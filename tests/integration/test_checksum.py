@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kvray.backends import checksum
-from kvray.backends.base import Backend, KeyStatus
+from kvray.backends.base import KeyStatus
 from kvray.backends.checksum import TRAILER, ChecksummedBackend
-from kvray.config import MooncakeConfig, YuanrongConfig
+
+from .test_backend_contract import BACKENDS
 
 pytestmark = pytest.mark.integration
 BLOCK = 512 << 10
@@ -23,26 +24,10 @@ _ids = itertools.count()
 _made: list[str] = []
 
 
-def _mooncake(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.mooncake import MooncakeBackend
-
-    master = request.getfixturevalue("mooncake_master")
-    cfg = MooncakeConfig(global_segment_size=128 << 20, local_buffer_size=16 << 20, protocol="tcp")
-    return MooncakeBackend(cfg, master.address, io_threads=2)
-
-
-def _yuanrong(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.yuanrong import YuanrongBackend
-
-    worker = request.getfixturevalue("ds_worker")
-    cfg = YuanrongConfig(worker_address=worker.address, request_timeout_ms=3000)
-    return YuanrongBackend(cfg, worker.address, io_threads=2)
-
-
 @pytest.fixture(params=["mooncake", "yuanrong"])
 async def store(request, monkeypatch):
     monkeypatch.setattr(checksum, "CHUNK_BYTES", CHUNK)
-    inner = {"mooncake": _mooncake, "yuanrong": _yuanrong}[request.param](request)
+    inner = BACKENDS[request.param](request)  # the contract suite's real-server clients
     wrapped = ChecksummedBackend(inner)
     yield wrapped
     await wrapped.remove(_made, force=True)  # the servers are the session's: leave room

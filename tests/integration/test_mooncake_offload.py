@@ -55,10 +55,15 @@ def test_blocks_evicted_from_dram_are_read_back_from_mooncake_ssd(ray_cluster, t
                 except PoolFullError:
                     time.sleep(0.2)  # eviction (after offload) makes room
         assert len(stored) >= 60, f"only {len(stored)} of 64 puts landed"
-        time.sleep(2)
-        outs = pool.get(stored, out=[np.empty(MB, np.uint8) for _ in stored])
         idx = [keys.index(k) for k in stored]
-        # The segment holds at most 32 of them: the rest can only come from the SSD.
+        # The segment holds at most 32 of them: the rest can only come from the SSD, once
+        # Mooncake's offload (asynchronous) has written them: wait for that, not a time.
+        deadline = time.monotonic() + 60
+        while True:
+            outs = pool.get(stored, out=[np.empty(MB, np.uint8) for _ in stored])
+            if all(o is not None for o in outs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert all(o is not None and np.array_equal(o, values[i]) for o, i in zip(outs, idx))
         files = sum(len(f) for _, _, f in os.walk(tmp_path / "offload"))
         assert files >= len(stored) - 32, f"{files} offload files for {len(stored)} blocks"

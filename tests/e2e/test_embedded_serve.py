@@ -108,8 +108,15 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
         first = _complete(port_a, tiny_model, p)
         assert [(x["saved"], x["hit_pool"]) for x in _lines(a, 1)] == [(3, 0)], a.tail()
 
+        # a paused while b starts: in CI (twice) b's worker, importing torch next to a's
+        # idle engine, made no progress for minutes (its stacks: in dlopen of torch._C).
+        # Nothing of a takes part in b joining the pool (the keeper's).
+        a.pause()
         b, port_b = _serve("embedded-b", tiny_model, env, tmp_path, extra)
-        b.wait_healthy(f"http://127.0.0.1:{port_b}/health", time.monotonic() + SERVER_S)
+        try:
+            b.wait_healthy(f"http://127.0.0.1:{port_b}/health", time.monotonic() + SERVER_S)
+        finally:
+            a.resume()
         assert f"joined (keeper pid {keeper.pid}) the embedded kvray pool" in b.tail(10**8)
         again = _complete(port_b, tiny_model, p)  # b computes nothing of it: the pool has it
         assert again == first

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from kvray.config import DatasystemWorkerConfig
 from kvray.errors import BackendUnavailableError, ConfigError
-from kvray.master import die_with_parent, free_port, terminate
+from kvray.master import crash, die_with_parent, free_port, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +205,7 @@ class DatasystemWorker:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (tests); :meth:`restart` brings it back."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-            self._proc.wait()
+        crash(self._proc)
 
     def _terminate(self, timeout_s: float = 15.0) -> None:
         proc, self._proc = self._proc, None

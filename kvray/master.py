@@ -52,6 +52,13 @@ def terminate(proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float)
         proc.wait()
 
 
+def crash(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL a child we started, as a crash would (tests), and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def why_unreachable(address: str, timeout_s: float = 3.0) -> str | None:
     """None when ``address`` (``host:port``) accepts a connection, else why not."""
     host, _, port = address.rpartition(":")
@@ -157,9 +164,7 @@ class MooncakeMaster:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (tests); :meth:`restart` brings it back."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+        crash(self._proc)
 
     def _launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ in the process that dereferences them) and counts what it did.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -121,10 +122,7 @@ class RankStore:
 
     async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]:
         ptrs, sizes = await self._addresses(batch)
-
-        async def put(k: list[str], p: list[list[int]], s: list[list[int]]) -> list[KeyStatus]:
-            return await self.backend.put(k, p, s, overwrite=overwrite)
-
+        put = functools.partial(self.backend.put, overwrite=overwrite)
         statuses = await self._each_once(put, batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         self.stats.put_keys += int(ok.sum())

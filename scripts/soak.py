@@ -35,6 +35,7 @@ misses by reason (vLLM's ``/metrics``), TTFT p50/p99/worst; every request in the
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -465,7 +466,7 @@ def main() -> int:
         pool_stats = pool.stats()
     finally:
         faults.undo_shm_full()
-        faults.undo_pool_full() if faults.fill_keys else None
+        faults.undo_pool_full()
         server.stop()
         pool.shutdown()
         fds_after, fd_targets = len(os.listdir("/proc/self/fd")), _fd_targets() - fd_targets_before
@@ -481,13 +482,15 @@ def main() -> int:
         failures.append(f"{len(errors)} requests failed (first: {errors[0]['error']})")
     if slow:
         failures.append(f"{len(slow)} requests took longer than {args.max_request_s} s")
-    by_id = {}
-    for rid, line in lines.items():
-        by_id[rid] = line
+    # The engine's request id is the response's id plus a suffix: a prefix lookup in the
+    # sorted ids (one bisect per request, not a scan of every line).
+    ids = sorted(lines)
     recomputed: dict[str, int] = {k: 0 for k in ["(no fault yet)", *kinds]}
     hit = loaded = failed = 0
     for r in results:
-        line = next((v for k, v in by_id.items() if r.get("id") and k.startswith(r["id"])), None)
+        rid = r.get("id") or ""
+        at = bisect.bisect_left(ids, rid) if rid else len(ids)
+        line = lines[ids[at]] if at < len(ids) and ids[at].startswith(rid) else None
         if line is None:
             continue
         hit += line.get("hit_pool", 0)

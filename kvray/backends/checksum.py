@@ -62,7 +62,8 @@ class _Arena:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
-        self._maps: list[tuple[mmap.mmap, np.ndarray]] = []
+        self._maps: list[np.ndarray] = []
+        """Each a view of an anonymous mmap (which it keeps mapped)."""
         self._free: list[int] = []
         self._growing = asyncio.Lock()
 
@@ -83,11 +84,11 @@ class _Arena:
         words = np.frombuffer(m, dtype=np.uint64)
         base = int(words.ctypes.data)
         await self._backend.register_region(base, slots * TRAILER)
-        self._maps.append((m, words))
+        self._maps.append(words)
         self._free.extend(range(base, base + slots * TRAILER, TRAILER))
 
     async def close(self) -> None:
-        for _, words in self._maps:
+        for words in self._maps:
             await self._backend.unregister_region(int(words.ctypes.data))
         self._maps.clear()  # the mmaps are unmapped once their arrays are collected
         self._free.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import ray
@@ -19,6 +20,7 @@ from kvray.lookup import Answer, LookupService
 from kvray.metrics import export_forever
 from kvray.naming import ssd_name
 from kvray.ray_env import normal_priority
+from kvray.remote import ManagerHandle, StoreHandle
 from kvray.stats import RankStats
 
 
@@ -32,7 +34,7 @@ class LookupActor:
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
         self._service = LookupService(backend, lower, Ledger())
-        self._ssd: dict[int, Any] = {}
+        self._ssd: dict[int, StoreHandle] = {}
         self._follower: asyncio.Task[None] | None = None
         self._exporter: asyncio.Task[None] | None = None
 
@@ -57,7 +59,7 @@ class LookupActor:
         seq = 0
         while True:
             await asyncio.sleep(FLUSH_S)
-            update = await manager.call("ledger_since", seq)
+            update = await manager.call(partial(ManagerHandle.ledger_since, seq=seq))
             if update is None:
                 continue
             seq, entries, full, mixed = update
@@ -67,8 +69,8 @@ class LookupActor:
     async def _ssd_exists(self, rank: int, keys: list[str]) -> list[bool]:
         """The SSD tier of this node's slot ``rank``: SSD blocks live on the disk of the
         node that wrote them, so a lookup counts this node's own only."""
-        actor = self._ssd.get(rank)
-        if actor is None:
+        handle = self._ssd.get(rank)
+        if handle is None:
             try:
                 actor = await asyncio.to_thread(
                     ray.get_actor,
@@ -77,9 +79,8 @@ class LookupActor:
                 )
             except ValueError:  # no worker of that rank ever ran here: nothing on disk
                 return [False] * len(keys)
-            self._ssd[rank] = actor
-        present: list[bool] = await actor.exists.remote(keys)
-        return present
+            handle = self._ssd[rank] = StoreHandle(actor, f"SsdOffload[{rank}]")
+        return await handle.exists(keys).aresult(self._config.call_timeout_s)
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_follower()

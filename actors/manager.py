@@ -8,28 +8,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import time
 from typing import Any
 
 import ray
 
 from kvray import launcher, metrics
+from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
-from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError
 from kvray.ledger import Entries, Ledger
-from kvray.master import MooncakeMaster
-from kvray.mmc_meta import MetaService
+from kvray.remote import Handle, LookupHandle
+from kvray.servers.process import ServerProcess
 
 logger = logging.getLogger(__name__)
-
-SERVER_KIND = {
-    "mooncake": "mooncake_master",
-    "yuanrong": "datasystem worker",
-    "memcache": "MemCache MetaService",
-}
-
 
 GONE_NODE_FORGET_S = 300.0
 """How long a dead node's actors stay listed (``kvray status`` shows them "node gone")
@@ -48,40 +40,23 @@ class PoolManagerActor:
     def __init__(self, config_json: str) -> None:
         self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
-        self._server: MooncakeMaster | DatasystemWorker | MetaService | None = None
-        self._server_kind = SERVER_KIND[config.backend]
+        self._spec = spec = spec_of(config.backend)
+        self._server: ServerProcess | None = None
+        self._server_kind = spec.server_name
         self._resolved: dict[str, Any] = {}
-        if config.backend == "memcache":
-            address = config.memcache.meta_service_url
-            if address is None:
-                meta = MetaService(config.memcache_meta, name=config.name)
-                self._server = meta
-                address = meta.start()
-                # Clients need the config store too; the launcher passes both on.
-                self._resolved = {
-                    "meta_service_url": meta.meta_service_url,
-                    "config_store_url": meta.config_store_url,
-                }
-        elif config.backend == "yuanrong":
-            address = config.yuanrong.worker_address
-            if address is None:
-                self._server = DatasystemWorker(config.datasystem, name=config.name)
-                address = self._server.start()
-        else:
-            address = config.mooncake.master_server_address
-            if address is None:
-                log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
-                master = config.master
-                if config.mooncake.enable_ssd_offload and not master.enable_offload:
-                    master = master.model_copy(update={"enable_offload": True})
-                self._server = MooncakeMaster(master, log_dir)
-                address = self._server.start()
+        address = spec.server_address(config)
+        if address is None:
+            self._server = spec.make_server(config)
+            address = self._server.start()
+            # What its clients need besides the address (MemCache: the config store's
+            # url); the launcher passes it on in the rank actors' config.
+            self._resolved = self._server.client_settings()
         self._address = address
         self._started_at = time.time()
         self._node_id = ray.get_runtime_context().get_node_id()
         self._actor_config_json = launcher.actor_config(config, self._resolved)
         self._nodes: dict[tuple[str, int], launcher.NodeActors] = {}
-        self._lookups: dict[str, Any] = {}
+        self._lookups: dict[str, LookupHandle] = {}
         self._geometries: dict[str, str] = {}
         """``namespace@layout`` -> the block geometry its stored bytes have."""
         self._fingerprints: dict[str, dict[str, dict[str, Any]]] = {}
@@ -106,14 +81,13 @@ class PoolManagerActor:
             self._reconciler = loop.create_task(self._reconcile())
             if self._server is not None:
                 self._supervisor = loop.create_task(self._supervise(self._server))
-            if isinstance(self._server, MooncakeMaster):
-                self._exporter = loop.create_task(self._export_server())
+            url = self._server.scrape_url() if self._server is not None else None
+            if url is not None:
+                self._exporter = loop.create_task(self._export_server(url))
 
-    async def _export_server(self) -> None:
-        """The embedded master's own view (capacity, used, keys, evictions) as the pool's
-        metrics, and for ``kvray status``."""
-        assert isinstance(self._server, MooncakeMaster)
-        url = f"http://{self._server.host}:{self._server.metrics_port}/metrics"
+    async def _export_server(self, url: str) -> None:
+        """The embedded server's own view (the master's capacity, used, keys, evictions)
+        as the pool's metrics, and for ``kvray status``."""
         exporter, warned = None, False
         while True:
             try:
@@ -126,8 +100,9 @@ class PoolManagerActor:
                 if not warned:
                     warned = True
                     logger.warning(
-                        "pool %s: reading the master's metrics at %s failed (%s)",
+                        "pool %s: reading the %s's metrics at %s failed (%s)",
                         self._config.name,
+                        self._server_kind,
                         url,
                         exc,
                     )
@@ -138,7 +113,7 @@ class PoolManagerActor:
         self._ensure_reconciler()
         return dict(self._server_metrics)
 
-    async def _supervise(self, server: MooncakeMaster | DatasystemWorker | MetaService) -> None:
+    async def _supervise(self, server: ServerProcess) -> None:
         """Restart the embedded server on its address when it dies (crash, OOM kill),
         backing off while restarts fail; the pool's clients reconnect by themselves."""
         name, kind = self._config.name, self._server_kind
@@ -201,22 +176,21 @@ class PoolManagerActor:
             logger.info("pool %s: forgot the actors of node %s (gone)", self._config.name, node)
         return forgotten
 
-    def _check_node(self, node_id: str) -> None:
-        if self._config.backend != "yuanrong":
-            return
-        # The embedded datasystem worker serves its own node's shared memory only.
-        if self._server is not None and node_id != self._node_id:
+    async def _check_node(self, node_id: str) -> None:
+        spec = self._spec
+        # An embedded server that serves its own node only (the datasystem worker: its
+        # node's shared memory) cannot take clients elsewhere.
+        fix = spec.node_local_fix
+        if fix is not None and self._server is not None and node_id != self._node_id:
             raise BackendUnavailableError(
-                f"pool {self._config.name!r} runs an embedded datasystem worker on node "
-                f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: run a "
-                "worker per node (scripts/datasystem_cluster.py) and set "
-                "yuanrong.worker_address and node_worker_addresses, or keep engines on the "
-                "pool's node"
+                f"pool {self._config.name!r} runs an embedded {spec.server_name} on node "
+                f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: {fix}"
             )
-        if self._config.yuanrong.node_worker_addresses:
-            ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        if spec.per_node_server(self._config):
+            cluster = await asyncio.to_thread(ray.nodes)
+            ips = {n["NodeID"]: n["NodeManagerAddress"] for n in cluster}
             if node_id in ips:
-                self._config.yuanrong.address_on(ips[node_id])  # ConfigError if none
+                spec.on_node(self._config, ips[node_id])  # ConfigError if it has no server
 
     async def node_actors(
         self, node_id: str, slot: int, env: dict[str, str] | None = None
@@ -225,7 +199,7 @@ class PoolManagerActor:
         the requesting engine's native backend knobs ``env`` (those made earlier keep
         theirs: the answer says which, for the engine to compare)."""
         self._ensure_reconciler()
-        self._check_node(node_id)
+        await self._check_node(node_id)
         key = (node_id, slot)
         async with self._making.setdefault(key, asyncio.Lock()):
             if key not in self._nodes:
@@ -234,9 +208,9 @@ class PoolManagerActor:
                 )
         return self._nodes[key]
 
-    async def lookup_actor(self, node_id: str, env: dict[str, str] | None = None) -> Any:
+    async def lookup_actor(self, node_id: str, env: dict[str, str] | None = None) -> LookupHandle:
         """``node_id``'s Lookup actor, made on first request (idempotent)."""
-        self._check_node(node_id)
+        await self._check_node(node_id)
         async with self._making.setdefault(node_id, asyncio.Lock()):
             if node_id not in self._lookups:
                 self._lookups[node_id] = await launcher.create_lookup_actor(
@@ -248,12 +222,12 @@ class PoolManagerActor:
         """Every node actor made so far, by node then slot."""
         return [self._nodes[k] for k in sorted(self._nodes)]
 
-    async def lookups(self) -> dict[str, Any]:
+    async def lookups(self) -> dict[str, LookupHandle]:
         return dict(self._lookups)
 
-    async def all_actors(self) -> list[Any]:
+    async def all_actors(self) -> list[Handle]:
         """Every actor this manager made (for shutdown)."""
-        actors = [a.client for a in self._nodes.values()]
+        actors: list[Handle] = [a.client for a in self._nodes.values()]
         actors += [a.ssd for a in self._nodes.values() if a.ssd is not None]
         return actors + list(self._lookups.values())
 
@@ -307,4 +281,4 @@ class PoolManagerActor:
         if self._supervisor is not None:
             self._supervisor.cancel()
         if self._server is not None:
-            self._server.stop()
+            await asyncio.to_thread(self._server.stop)

@@ -14,6 +14,7 @@ import os
 import sys
 
 from kvray import launcher
+from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import ConfigError, KVRayError
 
@@ -58,9 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         flush=True,
     )
     handles = launcher.launch(config)
-    server = {"mooncake": "mooncake_master", "yuanrong": "datasystem worker"}.get(
-        config.backend, "MemCache MetaService"
-    )
+    server = spec_of(config.backend).server_name
     mode = f"embedded {server}" if handles.embedded else f"external {server}"
     where = f"{config.backend} at {handles.server_address} ({mode})"
     print(f"kvray pool {config.name!r} is up: {where}")
@@ -69,8 +68,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvray import doctor
-    from kvray.master import why_unreachable
     from kvray.pool import collect_status
+    from kvray.servers.process import why_unreachable
 
     findings: list[doctor.Finding] = []
     try:

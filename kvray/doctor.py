@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvray.backends.registry import spec_of
 from kvray.config import GiB, PoolConfig
 from kvray.sizes import format_size
 
@@ -91,17 +92,27 @@ def check_pool(
     """Every offline check of ``cfg`` on this host with environment ``env``.
     ``hash_seed``: also advise on ``PYTHONHASHSEED`` (``kvray doctor``; an engine checks
     its actual hash fingerprint instead, and ``kvray up``'s own seed does not matter)."""
-    out: list[Finding] = []
-    if cfg.backend == "mooncake":
-        out += _fabric(cfg, env)
-        out += _ssd_offload_ttl(cfg)
-        out += _ascend_timeouts(cfg, env)
-        out += _protocol(cfg, host)
-        out += _memlock(cfg, host)
-    out += _memory(cfg, host)
+    out = spec_of(cfg.backend).doctor_checks(cfg, env, host)
     if hash_seed:
         out += _hash_seed(env)
     return out
+
+
+def mooncake_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
+    """The ``mooncake`` backend's traps."""
+    return [
+        *_fabric(cfg, env),
+        *_ssd_offload_ttl(cfg),
+        *_ascend_timeouts(cfg, env),
+        *_protocol(cfg, host),
+        *_memlock(cfg, host),
+        *_segments_vs_memory(cfg, host),
+    ]
+
+
+def yuanrong_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
+    """The ``yuanrong`` backend's traps."""
+    return _worker_vs_shm(cfg, host)
 
 
 def _fabric(cfg: PoolConfig, env: Mapping[str, str]) -> list[Finding]:
@@ -268,52 +279,51 @@ def _memlock(cfg: PoolConfig, host: Host) -> list[Finding]:
     ]
 
 
-def _memory(cfg: PoolConfig, host: Host) -> list[Finding]:
-    out = []
-    if cfg.backend == "mooncake" and host.mem_available is not None:
-        per_client = cfg.mooncake.global_segment_size + cfg.mooncake.local_buffer_size
-        need = cfg.world_size * per_client
-        if need > host.mem_available:
-            out.append(
-                Finding(
-                    "error",
-                    "memory",
-                    f"{cfg.world_size} client(s) x {format_size(per_client)} (segment + local "
-                    f"buffer) = {format_size(need)} per node, but {format_size(host.mem_available)}"
-                    " is available here",
-                    "each client allocates its segment when it starts; the kernel's OOM killer "
-                    "then picks a process, often the engine",
-                    "lower mooncake.global_segment_size or world_size, or free memory",
-                )
+def _segments_vs_memory(cfg: PoolConfig, host: Host) -> list[Finding]:
+    if host.mem_available is None:
+        return []
+    per_client = cfg.mooncake.global_segment_size + cfg.mooncake.local_buffer_size
+    need = cfg.world_size * per_client
+    if need > host.mem_available:
+        return [
+            Finding(
+                "error",
+                "memory",
+                f"{cfg.world_size} client(s) x {format_size(per_client)} (segment + local "
+                f"buffer) = {format_size(need)} per node, but {format_size(host.mem_available)}"
+                " is available here",
+                "each client allocates its segment when it starts; the kernel's OOM killer "
+                "then picks a process, often the engine",
+                "lower mooncake.global_segment_size or world_size, or free memory",
             )
-        else:
-            out.append(
-                Finding(
-                    "ok",
-                    "memory",
-                    f"{format_size(need)} of segments per node, {format_size(host.mem_available)} "
-                    "available",
-                )
-            )
-    if (
-        cfg.backend == "yuanrong"
-        and cfg.yuanrong.worker_address is None
-        and host.dev_shm_free is not None
-    ):
-        need = cfg.datasystem.shared_memory_size
-        if need > host.dev_shm_free:
-            out.append(
-                Finding(
-                    "error",
-                    "/dev/shm",
-                    f"datasystem.shared_memory_size is {format_size(need)} but /dev/shm has "
-                    f"{format_size(host.dev_shm_free)} free",
-                    "the embedded datasystem worker keeps the pool's blocks in shared memory",
-                    "lower datasystem.shared_memory_size, or enlarge /dev/shm (docker: "
-                    "--shm-size; Kubernetes: an emptyDir with medium Memory)",
-                )
-            )
-    return out
+        ]
+    return [
+        Finding(
+            "ok",
+            "memory",
+            f"{format_size(need)} of segments per node, {format_size(host.mem_available)} "
+            "available",
+        )
+    ]
+
+
+def _worker_vs_shm(cfg: PoolConfig, host: Host) -> list[Finding]:
+    if cfg.yuanrong.worker_address is not None or host.dev_shm_free is None:
+        return []
+    need = cfg.datasystem.shared_memory_size
+    if need <= host.dev_shm_free:
+        return []
+    return [
+        Finding(
+            "error",
+            "/dev/shm",
+            f"datasystem.shared_memory_size is {format_size(need)} but /dev/shm has "
+            f"{format_size(host.dev_shm_free)} free",
+            "the embedded datasystem worker keeps the pool's blocks in shared memory",
+            "lower datasystem.shared_memory_size, or enlarge /dev/shm (docker: "
+            "--shm-size; Kubernetes: an emptyDir with medium Memory)",
+        )
+    ]
 
 
 def _hash_seed(env: Mapping[str, str]) -> list[Finding]:
@@ -334,21 +344,9 @@ def _hash_seed(env: Mapping[str, str]) -> list[Finding]:
 
 def check_reachable(cfg: PoolConfig, timeout_s: float = 2.0) -> list[Finding]:
     """The external servers ``cfg`` names answer (one TCP connect each)."""
-    from kvray.master import why_unreachable
+    from kvray.servers.process import why_unreachable
 
-    targets: list[tuple[str, str]] = []
-    if cfg.backend == "mooncake" and cfg.mooncake.master_server_address:
-        targets.append(("mooncake.master_server_address", cfg.mooncake.master_server_address))
-    if cfg.backend == "yuanrong":
-        if cfg.yuanrong.worker_address:
-            targets.append(("yuanrong.worker_address", cfg.yuanrong.worker_address))
-        targets += [
-            (f"yuanrong.node_worker_addresses[{ip}]", a)
-            for ip, a in cfg.yuanrong.node_worker_addresses.items()
-        ]
-    if cfg.backend == "memcache" and cfg.memcache.meta_service_url:
-        url = cfg.memcache.meta_service_url.split("://", 1)[-1]
-        targets.append(("memcache.meta_service_url", url))
+    targets = spec_of(cfg.backend).reachability(cfg)
     out = []
     for name, address in targets:
         why = why_unreachable(address, timeout_s)

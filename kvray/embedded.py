@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvray.errors import ConfigError, EmbeddedPoolError
-from kvray.master import why_unreachable
+from kvray.servers.process import why_unreachable
 from kvray.shm import process_gone
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-FORWARD_PREFIXES = ("ASCEND_", "HCCL_", "ACL_", "MC_", "MOONCAKE_OFFLOAD_", "GLOG_")
-"""Native knobs of Mooncake's transfer engine and store client (``MC_*``, its SSD offload
-``MOONCAKE_OFFLOAD_*``), CANN/HCCL (``ASCEND_*``, ``HCCL_*``, ``ACL_*``) and glog."""
+from kvray.backends.registry import SPECS, spec_of
+
+DEVICE_PREFIXES = ("ASCEND_", "HCCL_", "ACL_", "GLOG_")
+"""Native knobs of CANN/HCCL (``ASCEND_*``, ``HCCL_*``, ``ACL_*``) and glog, whatever the
+backend."""
+
+FORWARD_PREFIXES = DEVICE_PREFIXES + tuple(p for s in SPECS.values() for p in s.forward_prefixes)
+"""Those, and the backends' own (Mooncake's transfer engine and store client ``MC_*``, its
+SSD offload ``MOONCAKE_OFFLOAD_*``)."""
 
 NOT_FORWARDED = frozenset(
     {
@@ -29,25 +35,9 @@ NOT_FORWARDED = frozenset(
         "ASCEND_RT_VISIBLE_DEVICES",
         "ASCEND_VISIBLE_DEVICES",
         # Configure the pool (read where it is configured; compared at attach).
-        "ASCEND_ENABLE_USE_FABRIC_MEM",
+        *(v for s in SPECS.values() for v in s.config_vars),
     }
 )
-
-POOL_CONFIG_VARS = {
-    "mooncake": (
-        "MOONCAKE_CONFIG_PATH",
-        "MOONCAKE_MASTER",
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE",
-        "ASCEND_ENABLE_USE_FABRIC_MEM",
-    ),
-    "yuanrong": ("DS_WORKER_ADDR",),
-    "memcache": ("MMC_LOCAL_CONFIG_PATH", "MMC_META_CONFIG_PATH"),
-}
-"""Per backend, the variables from which kvray builds the pool's backend section."""
-
-SECTIONS = {"mooncake": ("mooncake",), "yuanrong": ("yuanrong",),
-            "memcache": ("memcache", "memcache_meta")}  # fmt: skip
-"""Per backend, the ``PoolConfig`` sections those variables make."""
 
 
 def forwarded(environ: Mapping[str, str]) -> dict[str, str]:
@@ -73,11 +63,13 @@ def env_differences(actors_env: Mapping[str, str], mine: Mapping[str, str]) -> l
 def config_differences(pool: Any, environ: Mapping[str, str]) -> list[str]:
     """The fields of the running pool's backend section (``pool``: its ``PoolConfig``)
     that this process's environment would set otherwise, as ``field: pool X, environment
-    Y (from VARS)``; empty when the environment sets none of :data:`POOL_CONFIG_VARS`."""
+    Y (from VARS)``; empty when the environment sets none of the backend's
+    :attr:`~kvray.backends.registry.BackendSpec.config_vars`."""
     from kvray.config import PoolConfig
     from kvray.errors import ConfigError
 
-    names = [v for v in POOL_CONFIG_VARS.get(pool.backend, ()) if v in environ]
+    spec = spec_of(pool.backend)
+    names = [v for v in spec.config_vars if v in environ]
     if not names:
         return []
     source = ", ".join(names)
@@ -86,7 +78,7 @@ def config_differences(pool: Any, environ: Mapping[str, str]) -> list[str]:
     except ConfigError as exc:
         return [f"this process's {source} does not make a valid config: {exc}"]
     out = []
-    for section in SECTIONS[pool.backend]:
+    for section in spec.env_sections:
         ours = getattr(mine, section).model_dump()
         theirs = getattr(pool, section).model_dump()
         for key in ours:

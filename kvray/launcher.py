@@ -25,17 +25,20 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvray import engine_env
+from kvray.backends.registry import spec_of, with_client_settings
 from kvray.config import PoolConfig
 from kvray.errors import (
     BackendUnavailableError,
     HashMismatchError,
+    KVRayError,
     PoolConflictError,
     PoolNotFoundError,
 )
@@ -48,18 +51,23 @@ from kvray.naming import (
     region_prefix,
     ssd_name,
 )
+from kvray.remote import (
+    Call,
+    CallTimeoutError,
+    LookupHandle,
+    ManagerHandle,
+    StoreHandle,
+    ready,
+)
 from kvray.shm import remove_leftovers
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _env_warned: set[tuple[str, int]] = set()
 
 # Start-up of one actor is ~2 s on a loaded 2-core machine; setups that take longer
 # than this are broken, not slow.
 _START_TIMEOUT_S = 120.0
-_ACTOR_ENV = {
-    # Fail a Mooncake setup against an unreachable master in seconds, not ~90 s.
-    "MC_STORE_CLIENT_SETUP_RETRIES": "1",
-}
 
 
 @dataclass
@@ -68,8 +76,8 @@ class NodeActors:
 
     node_id: str
     slot: int
-    client: Any
-    ssd: Any = None
+    client: StoreHandle
+    ssd: StoreHandle | None = None
     env: dict[str, str] = field(default_factory=dict)
     """The engine environment's native backend knobs they were made with
     (:func:`kvray.engine_env.forwarded` of the process whose request made them)."""
@@ -83,11 +91,11 @@ class PoolHandles:
     config: PoolConfig
     server_address: str
     embedded: bool
-    manager: Any
+    manager: ManagerHandle
     node_id: str
     """The node this process runs on: its clients live there."""
     _clients: dict[int, NodeActors] = field(default_factory=dict)
-    _lookup: Any = None
+    _lookup: LookupHandle | None = None
     forward_env: dict[str, str] = field(default_factory=lambda: engine_env.forwarded(os.environ))
     """The native backend knobs of this process's environment: node actors this process
     makes run with them; ones made with others are reported (:meth:`slot`)."""
@@ -103,19 +111,19 @@ class PoolHandles:
         """Slot ``slot``'s actors on this node (blocking; not for an event loop)."""
         self._check_slot(slot)
         if slot not in self._clients:
-            ref = self.manager.node_actors.remote(self.node_id, slot, self.forward_env)
-            self._clients[slot] = self._checked(_get(ref, f"clients of slot {slot}"))
+            call = self.manager.node_actors(self.node_id, slot, self.forward_env)
+            self._clients[slot] = self._checked(call.result(_START_TIMEOUT_S))
         return self._clients[slot]
 
     async def aslot(self, slot: int) -> NodeActors:
         self._check_slot(slot)
         if slot not in self._clients:
-            ref = self.manager.node_actors.remote(self.node_id, slot, self.forward_env)
-            self._clients[slot] = self._checked(await _aget(ref, f"clients of slot {slot}"))
+            call = self.manager.node_actors(self.node_id, slot, self.forward_env)
+            self._clients[slot] = self._checked(await call.aresult(_START_TIMEOUT_S))
         return self._clients[slot]
 
-    def _checked(self, got: Any) -> NodeActors:
-        actors = _node_result(got)
+    def _checked(self, actors: NodeActors) -> NodeActors:
+        assert isinstance(actors, NodeActors), f"manager answered {actors!r}: kvray's bug"
         diffs = engine_env.env_differences(actors.env, self.forward_env)
         if diffs and (self.config.name, actors.slot) not in _env_warned:
             _env_warned.add((self.config.name, actors.slot))
@@ -130,78 +138,38 @@ class PoolHandles:
             )
         return actors
 
-    def client(self, slot: int) -> Any:
+    def client(self, slot: int) -> StoreHandle:
         return self.slot(slot).client
 
-    async def aclient(self, slot: int) -> Any:
+    async def aclient(self, slot: int) -> StoreHandle:
         return (await self.aslot(slot)).client
 
-    def known_clients(self) -> list[Any]:
+    def known_clients(self) -> list[StoreHandle]:
         """The clients this process has used (no creation)."""
         return [a.client for a in self._clients.values()]
 
-    def lookup(self) -> Any:
+    def lookup(self) -> LookupHandle:
         """This node's Lookup actor (blocking; not for an event loop)."""
         if self._lookup is None:
-            self._lookup = _get(
-                self.manager.lookup_actor.remote(self.node_id, self.forward_env), "lookup actor"
-            )
+            call = self.manager.lookup_actor(self.node_id, self.forward_env)
+            self._lookup = call.result(_START_TIMEOUT_S)
         return self._lookup
 
-    async def alookup(self) -> Any:
+    async def alookup(self) -> LookupHandle:
         if self._lookup is None:
-            ref = self.manager.lookup_actor.remote(self.node_id, self.forward_env)
-            self._lookup = await _aget(ref, "lookup actor")
+            call = self.manager.lookup_actor(self.node_id, self.forward_env)
+            self._lookup = await call.aresult(_START_TIMEOUT_S)
         return self._lookup
-
-
-def _node_result(got: Any) -> NodeActors:
-    assert isinstance(got, NodeActors), f"manager answered {type(got).__name__}: kvray's bug"
-    return got
-
-
-def _mapped(exc: BaseException, what: str) -> BaseException:
-    """A manager call's failure as kvray's error: the manager's own exception when it
-    raised one (RayTaskError.cause), else BackendUnavailableError naming ``what``."""
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, Exception):
-            return cause
-        return BackendUnavailableError(f"{what}: {_actor_error(exc)}")
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return BackendUnavailableError(f"{what}: the pool manager is gone ({exc})")
-    return BackendUnavailableError(f"{what}: no answer in {_START_TIMEOUT_S:.0f} s")
-
-
-def _get(ref: Any, what: str) -> Any:
-    try:
-        return ray.get(ref, timeout=_START_TIMEOUT_S)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
-        raise _mapped(exc, what) from exc
-
-
-async def _aget(ref: Any, what: str) -> Any:
-    try:
-        return await asyncio.wait_for(ref, _START_TIMEOUT_S)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
-        raise _mapped(exc, what) from exc
-
-
-def _actor_error(exc: BaseException) -> str:
-    """The line of a dead actor's creation error that names kvray's exception."""
-    text = str(exc)
-    for line in reversed(text.splitlines()):
-        if "Error" in line and ":" in line:
-            return line.strip()
-    return text.strip().splitlines()[-1] if text.strip() else repr(exc)
 
 
 def _options(
     config: PoolConfig, name: str, env: dict[str, str] | None = None, **kw: Any
 ) -> dict[str, Any]:
     """Actor options; ``env``: the engine's native backend knobs (they override kvray's
-    defaults, the pool config's offload settings override them)."""
-    env_vars = {**_ACTOR_ENV, **(env or {}), **config.mooncake.offload.env()}
+    defaults, the pool config's own knobs, e.g. Mooncake's offload settings, override
+    them)."""
+    spec = spec_of(config.backend)
+    env_vars = {**spec.client_env_defaults, **(env or {}), **spec.client_env(config)}
     return {
         "name": name,
         "namespace": config.namespace,
@@ -233,7 +201,7 @@ def launch(config: PoolConfig) -> PoolHandles:
     started = time.monotonic()
     config_json = config.model_dump_json()
     node_id = current_node_id()
-    manager = (
+    actor = (
         ray.remote(PoolManagerActor)
         .options(
             **_options(
@@ -246,12 +214,13 @@ def launch(config: PoolConfig) -> PoolHandles:
         )
         .remote(config_json)
     )
+    manager = ManagerHandle(actor, f"pool {config.name!r} manager")
     try:
-        spec = ray.get(manager.spec.remote(), timeout=_START_TIMEOUT_S)
-    except ray.exceptions.RayActorError as exc:
+        spec = manager.spec().result(_START_TIMEOUT_S)
+    except KVRayError as exc:
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(manager, no_restart=True)
-        raise BackendUnavailableError(f"pool manager failed to start: {_actor_error(exc)}") from exc
+            ray.kill(actor, no_restart=True)
+        raise BackendUnavailableError(f"pool manager failed to start: {exc}") from exc
     if spec["config_json"] != config_json:
         raise PoolConflictError(
             f"pool {config.name!r} already runs in namespace {config.namespace!r} with a "
@@ -295,7 +264,7 @@ async def create_node_actors(
     from kvray.actors.backend_client import BackendClientActor
     from kvray.actors.ssd import SsdOffloadActor
 
-    def node_actor(cls: type, name: str, concurrency: int, *args: Any) -> Any:
+    def node_actor(cls: type, name: str, concurrency: int, *args: Any) -> StoreHandle:
         opts = _options(
             config,
             name,
@@ -306,7 +275,8 @@ async def create_node_actors(
             max_task_retries=3,
             max_concurrency=concurrency,
         )
-        return ray.remote(cls).options(**opts).remote(actor_config_json, slot, *args)
+        actor: Any = ray.remote(cls).options(**opts).remote(actor_config_json, slot, *args)
+        return StoreHandle(actor, f"{cls.__name__.removesuffix('Actor')}[{slot}]@{node_id[:8]}")
 
     ssd = None
     if config.ssd_tier:
@@ -322,9 +292,9 @@ async def create_node_actors(
     try:
         await _check_started(made, node_id, config)
     except BaseException:
-        for actor in made:  # a broken actor must not be found by name next time
+        for handle in made:  # a broken actor must not be found by name next time
             with contextlib.suppress(ray.exceptions.RayError):
-                ray.kill(actor, no_restart=True)
+                ray.kill(handle.actor, no_restart=True)
         raise
     return NodeActors(node_id, slot, client, ssd, dict(env or {}))
 
@@ -335,7 +305,7 @@ async def create_lookup_actor(
     server_address: str,
     node_id: str,
     env: dict[str, str] | None = None,
-) -> Any:
+) -> LookupHandle:
     from kvray.actors.lookup import LookupActor
 
     opts = _options(
@@ -349,54 +319,46 @@ async def create_lookup_actor(
         max_concurrency=64,
     )
     actor = ray.remote(LookupActor).options(**opts).remote(actor_config_json, server_address)
+    handle = LookupHandle(actor, f"Lookup@{node_id[:8]}")
     try:
-        await _check_started([actor], node_id, config)
+        await _check_started([handle], node_id, config)
     except BaseException:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.kill(actor, no_restart=True)
         raise
-    return actor
+    return handle
 
 
 def actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
     """The config the rank actors get: the pool's, with what the embedded server chose
     (MemCache clients need the MetaService's config-store url as well as its url)."""
-    if config.backend == "memcache" and resolved:
-        memcache = config.memcache.model_copy(update=resolved)
-        return config.model_copy(update={"memcache": memcache}).model_dump_json()
-    return config.model_dump_json()
+    return with_client_settings(config, resolved).model_dump_json()
 
 
 def on_this_node(config: PoolConfig) -> PoolConfig:
     """``config`` with what depends on the node filled in (called inside node actors):
     a Mooncake client advertises the address Ray knows its node by; a datasystem client
     connects to its node's worker (``yuanrong.node_worker_addresses``)."""
-    if config.backend == "mooncake" and config.mooncake.local_hostname is None:
-        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        mooncake = config.mooncake.model_copy(update={"local_hostname": address})
-        return config.model_copy(update={"mooncake": mooncake})
-    if config.backend == "yuanrong" and config.yuanrong.node_worker_addresses:
-        node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        worker = config.yuanrong.address_on(node_ip)
-        yuanrong = config.yuanrong.model_copy(update={"worker_address": worker})
-        return config.model_copy(update={"yuanrong": yuanrong})
-    return config
+    node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return spec_of(config.backend).on_node(config, node_ip)
 
 
-async def _check_started(actors: list[Any], node_id: str, config: PoolConfig) -> None:
+async def _check_started(
+    actors: list[StoreHandle] | list[LookupHandle], node_id: str, config: PoolConfig
+) -> None:
     """Wait for every actor; refuse to run if any derives another probe hash."""
     expected = probe_hash()
-    for actor in actors:
+    for handle in actors:
         try:
-            got = await asyncio.wait_for(actor.probe.remote(), _START_TIMEOUT_S)
-        except ray.exceptions.RayActorError as exc:
-            raise BackendUnavailableError(
-                f"a pool actor on node {node_id[:12]} failed to start: {_actor_error(exc)}"
-            ) from exc
-        except TimeoutError as exc:
+            got = await handle.probe().aresult(_START_TIMEOUT_S)
+        except CallTimeoutError as exc:
             raise BackendUnavailableError(
                 f"a pool actor on node {node_id[:12]} did not start in {_START_TIMEOUT_S:.0f} "
                 f"s: is the node alive, with {config.cpus_per_rank} CPU free (cpus_per_rank)?"
+            ) from exc
+        except KVRayError as exc:
+            raise BackendUnavailableError(
+                f"a pool actor on node {node_id[:12]} failed to start: {exc}"
             ) from exc
         if got["probe_hash"] != expected:
             raise HashMismatchError(
@@ -415,35 +377,39 @@ class ManagerLink:
         self._config = config
         self._who = who
         self._consequence = consequence
-        self._manager: Any = None
+        self._manager: ManagerHandle | None = None
         self._warned = False
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, ask: Callable[[ManagerHandle], Call[_T]]) -> _T | None:
+        """``ask(manager)``'s answer, or None (logged once) when it fails."""
         try:
             if self._manager is None:
-                self._manager = await asyncio.to_thread(
+                actor = await asyncio.to_thread(
                     ray.get_actor, manager_name(self._config.name), namespace=self._config.namespace
                 )
-            return await getattr(self._manager, method).remote(*args)
-        except (ValueError, ray.exceptions.RayError) as exc:
+                self._manager = ManagerHandle(actor, f"pool {self._config.name!r} manager")
+            call = ask(self._manager)
+            return await call.aresult(self._config.call_timeout_s)
+        except (ValueError, KVRayError) as exc:
             self._manager = None
             if not self._warned:
                 self._warned = True
-                logger.warning("kvray %s: %s failed (%s): %s", self._who, method, exc,
-                               self._consequence)  # fmt: skip
+                logger.warning("kvray %s: a call to the pool manager failed (%s): %s",
+                               self._who, exc, self._consequence)  # fmt: skip
             return None
 
 
 def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
     """Handles to the running pool ``name``, for this process's node."""
     try:
-        manager = ray.get_actor(manager_name(name), namespace=namespace)
+        actor = ray.get_actor(manager_name(name), namespace=namespace)
     except ValueError as exc:
         raise PoolNotFoundError(
             f"no kvray pool {name!r} in Ray namespace {namespace!r}: start one with "
             "`kvray up` or Pool.start()"
         ) from exc
-    spec: dict[str, Any] = _get(manager.spec.remote(), f"pool {name!r}")
+    manager = ManagerHandle(actor, f"pool {name!r} manager")
+    spec = manager.spec().result(_START_TIMEOUT_S)
     config = PoolConfig.model_validate_json(spec["config_json"])
     return PoolHandles(
         config, spec["server_address"], bool(spec["embedded"]), manager, current_node_id()
@@ -453,40 +419,38 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
 def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
     """Close and kill every node actor the manager made, stop its server, kill it."""
     try:
-        actors: list[Any] = ray.get(handles.manager.all_actors.remote(), timeout=timeout_s)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
+        actors = handles.manager.all_actors().result(timeout_s)
+    except KVRayError as exc:
         logger.warning("pool manager did not list its actors (%s)", exc)
         actors = []
-    closing = [a.close.remote() for a in actors]
-    ready, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
-    if len(ready) < len(closing):
+    closed = ready([a.close() for a in actors], timeout_s, every=True)
+    if not all(closed):
         logger.warning(
             "%d pool actor(s) did not close in %.0f s; killing them",
-            len(closing) - len(ready),
+            closed.count(False),
             timeout_s,
         )
-    for actor in actors:
+    for handle in actors:
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(actor, no_restart=True)
+            ray.kill(handle.actor, no_restart=True)
     try:
-        ray.get(handles.manager.stop.remote(), timeout=timeout_s)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
+        handles.manager.stop().result(timeout_s)
+    except KVRayError as exc:
         logger.warning("pool manager did not stop cleanly (%s); killing it", exc)
     with contextlib.suppress(ray.exceptions.RayError):
-        ray.kill(handles.manager, no_restart=True)
+        ray.kill(handles.manager.actor, no_restart=True)
     # Pools of earlier kvray versions placed their ranks in a placement group.
     with contextlib.suppress(ValueError):
         ray.util.remove_placement_group(
             ray.util.get_placement_group(placement_group_name(handles.config.name))
         )
     remove_leftovers(region_prefix(handles.config.name))
-    if handles.config.backend == "memcache":
-        from kvray.backends.memcache import remove_stale_local_confs
-
-        # Killed actors leave their client conf behind (node-local cleanup); give
-        # the killed processes a moment to exit first.
+    cleanup = spec_of(handles.config.backend).node_cleanup
+    if cleanup is not None:
+        # Killed actors leave files behind (MemCache: their client conf); give the
+        # killed processes a moment to exit first.
         time.sleep(1)
-        remove_stale_local_confs()
+        cleanup()
 
 
 def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:

@@ -36,7 +36,6 @@ from kvray import launcher
 from kvray.backends.base import KeyStatus
 from kvray.config import PoolConfig
 from kvray.errors import (
-    BackendUnavailableError,
     KeyFormatError,
     KVRayError,
     PoolFullError,
@@ -47,6 +46,7 @@ from kvray.keys import BlockKey, KeySpace
 from kvray.lookup import Answer
 from kvray.naming import region_prefix
 from kvray.ray_env import ray_init
+from kvray.remote import Call, CallTimeoutError, StoreHandle
 from kvray.shm import SharedRegion
 from kvray.stats import RankStats
 from kvray.status import PoolStatus, RankStatus
@@ -228,10 +228,10 @@ class Pool:
     async def _release_regions(self) -> None:
         regions = self._regions + ([self._window] if self._window else [])
         for region in regions:
-            for actor in self._h.known_clients():
+            for client in self._h.known_clients():
                 # On failure the actor drops its mapping itself once we closed the region.
-                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                    await asyncio.wait_for(actor.release_region.remote(region.spec.region_id), 5)
+                with contextlib.suppress(KVRayError):
+                    await client.release_region(region.spec.region_id).aresult(5)
             region.close()
         self._regions.clear()
         self._window = None
@@ -247,24 +247,12 @@ class Pool:
 
     # ---- data plane ------------------------------------------------------------------
 
-    async def _actor(self, rank: int) -> Any:
+    async def _actor(self, rank: int) -> StoreHandle:
         """This node's client of slot ``rank`` (made on first use)."""
         return await self._h.aclient(rank)
 
-    async def _call(self, ref: Any, what: str) -> Any:
-        try:
-            return await asyncio.wait_for(ref, self.config.call_timeout_s)
-        except TimeoutError as exc:
-            raise BackendUnavailableError(
-                f"{what} took longer than call_timeout_s={self.config.call_timeout_s}"
-            ) from exc
-        except ray.exceptions.RayActorError as exc:
-            raise BackendUnavailableError(f"{what}: pool actor unavailable: {exc}") from exc
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, KVRayError):
-                raise cause from exc
-            raise
+    async def _call(self, call: Call[_T]) -> _T:
+        return await call.aresult(self.config.call_timeout_s, "call_timeout_s")
 
     async def _transfer(
         self, op: str, keys: list[str], views: list[np.ndarray], rank: int, overwrite: bool = False
@@ -282,12 +270,9 @@ class Pool:
                 direct.setdefault(found[0].spec.region_id, []).append((i, found[1]))
 
         async def run(batch: TransferBatch) -> list[KeyStatus]:
-            method = actor.put if op == "put" else actor.get
-            ref = method.remote(batch, overwrite) if op == "put" else method.remote(batch)
-            result: list[KeyStatus] = await self._call(
-                ref, f"{op} of {len(batch)} keys on rank {rank}"
+            return await self._call(
+                actor.put(batch, overwrite) if op == "put" else actor.get(batch)
             )
-            return result
 
         async def run_direct(region_id: str, items: list[tuple[int, int]]) -> None:
             region = next(r for r in self._regions if r.spec.region_id == region_id)
@@ -412,10 +397,7 @@ class Pool:
         return res[0] if single else res
 
     async def _exists(self, keys: list[str], rank: int) -> list[bool]:
-        result: list[bool] = await self._call(
-            (await self._actor(rank)).exists.remote(keys), "exists"
-        )
-        return result
+        return await self._call((await self._actor(rank)).exists(keys))
 
     def exists(self, keys: Sequence[Key], *, rank: int = 0) -> list[bool]:
         return self._loop.run(self._exists([_key_str(k) for k in keys], rank))
@@ -424,10 +406,7 @@ class Pool:
         return await self._loop.arun(self._exists([_key_str(k) for k in keys], rank))
 
     async def _remove(self, keys: list[str], rank: int, force: bool) -> list[KeyStatus]:
-        result: list[KeyStatus] = await self._call(
-            (await self._actor(rank)).remove.remote(keys, force), "remove"
-        )
-        return result
+        return await self._call((await self._actor(rank)).remove(keys, force))
 
     def remove(self, keys: Sequence[Key], *, rank: int = 0, force: bool = False) -> list[KeyStatus]:
         """Remove keys; per key ``OK``, ``NOT_FOUND`` or ``BUSY`` (leased by a reader)."""
@@ -455,28 +434,25 @@ class Pool:
         """:meth:`lookup`, with the reason the block after the leading hits missed (one of
         :data:`kvray.misses.REASONS`; empty when all hit)."""
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
-        ref = self._h.lookup().lookup.remote(space, list(block_hashes), t)
+        call = self._h.lookup().lookup(space, list(block_hashes), t)
         try:
-            result: Answer = ray.get(ref, timeout=t + _LOOKUP_MARGIN_S)
-        except ray.exceptions.GetTimeoutError as exc:
+            return call.result(t + _LOOKUP_MARGIN_S)
+        except KVRayError as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
-            return Answer(0, "lookup_timeout")
-        except ray.exceptions.RayActorError as exc:
-            logger.warning("lookup failed (%s): counted as a miss", exc)
-            return Answer(0, "lookup_error")
-        return result
+            return Answer(
+                0, "lookup_timeout" if isinstance(exc, CallTimeoutError) else "lookup_error"
+            )
 
     async def alookup(
         self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None
     ) -> int:
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
-        ref = (await self._h.alookup()).lookup.remote(space, list(block_hashes), t)
+        call = (await self._h.alookup()).lookup(space, list(block_hashes), t)
         try:
-            result: Answer = await asyncio.wait_for(ref, t + _LOOKUP_MARGIN_S)
-        except (TimeoutError, ray.exceptions.RayActorError) as exc:
+            return (await call.aresult(t + _LOOKUP_MARGIN_S)).hits
+        except KVRayError as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
             return 0
-        return result.hits
 
     # ---- observability -------------------------------------------------------------------
 
@@ -499,8 +475,8 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
         cfg.name, cfg.namespace, cfg.backend, h.server_address, h.embedded, cfg.world_size
     )
     status.ssd = cfg.ssd_tier
-    nodes: list[launcher.NodeActors] = await asyncio.wait_for(h.manager.nodes.remote(), timeout_s)
-    lookups: dict[str, Any] = await asyncio.wait_for(h.manager.lookups.remote(), timeout_s)
+    nodes = await h.manager.nodes().aresult(timeout_s)
+    lookups = await h.manager.lookups().aresult(timeout_s)
     cluster = await asyncio.to_thread(ray.nodes)
     alive = {n["NodeID"]: (n["NodeManagerAddress"], n["Alive"]) for n in cluster}
     first_of_node: dict[str, launcher.NodeActors] = {}
@@ -515,15 +491,15 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
         if not alive.get(a.node_id, ("", False))[1]:
             down.error = "node gone"
             return down
-        calls = [a.client.snapshot.remote()]
+        calls = [a.client.snapshot()]
         if a.ssd is not None:
-            calls.append(a.ssd.snapshot.remote())
+            calls.append(a.ssd.snapshot())
         look = lookups.get(a.node_id) if first_of_node[a.node_id] is a else None
         if look is not None:
-            calls.append(look.snapshot.remote())
+            calls.append(look.snapshot())
         try:
-            snaps = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+            snaps = await asyncio.gather(*(c.aresult(timeout_s) for c in calls))
+        except KVRayError as exc:
             down.error = type(exc).__name__
             return down
         stats = RankStats.from_dict(snaps[0]["stats"])
@@ -537,8 +513,8 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
         )
 
     status.ranks = list(await asyncio.gather(*(one(a) for a in nodes)))
-    status.fingerprints = await asyncio.wait_for(h.manager.fingerprints.remote(), timeout_s)
-    status.server = await asyncio.wait_for(h.manager.server_metrics.remote(), timeout_s)
+    status.fingerprints = await h.manager.fingerprints().aresult(timeout_s)
+    status.server = await h.manager.server_metrics().aresult(timeout_s)
     return status
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvray.backends.registry import spec_of
 from kvray.sizes import format_size
 from kvray.stats import RankStats
 
@@ -87,11 +88,7 @@ class PoolStatus:
         return out
 
     def table(self) -> str:
-        server = {
-            "mooncake": "master",
-            "yuanrong": "datasystem worker",
-            "memcache": "MemCache MetaService",
-        }.get(self.backend, "server")
+        server = spec_of(self.backend).server_name
         mode = f"embedded {server}" if self.embedded else f"external {server}"
         head = (
             f"kvray pool {self.name!r} (namespace {self.namespace!r}): {self.backend} at "

@@ -16,14 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.config import GiB, read_yaml
+from kvray.config import GiB, Pipeline, read_yaml
 from kvray.errors import ConfigError
 
 PIPELINES = {
-    "mooncake": "mooncake",
-    "mooncake|posix": "mooncake|ssd",
-    "yuanrong": "yuanrong",
-    "yuanrong|posix": "yuanrong|ssd",
+    "mooncake": Pipeline("mooncake"),
+    "mooncake|posix": Pipeline("mooncake", ssd=True),
+    "yuanrong": Pipeline("yuanrong"),
+    "yuanrong|posix": Pipeline("yuanrong", ssd=True),
 }
 """UCM ``store_pipeline`` (any case) -> kvray ``pipeline``."""
 
@@ -146,8 +146,8 @@ def _connector_keys(conf: dict[str, Any], out: UcmSettings) -> None:
         raise ConfigError(
             f"{src}: store_pipeline {raw!r}: {why} (kvray takes: {', '.join(PIPELINES)})"
         )
-    pool["backend"] = pipeline.split("|")[0]
-    pool["pipeline"] = pipeline
+    pool["backend"] = pipeline.backend
+    pool["pipeline"] = str(pipeline)
     host = conf.pop("yuanrong_host", None)
     port = conf.pop("yuanrong_port", None)
     if (host is None) != (port is None):
@@ -198,9 +198,9 @@ def _connector_keys(conf: dict[str, Any], out: UcmSettings) -> None:
                 f"{src}: ucm_connector_config.{key} is not a UCM key kvray knows (a typo?); "
                 f"kvray reads: {', '.join(KEYS)}"
             )
-    if pipeline.endswith("|ssd") and "path" not in ssd:
+    if pipeline.ssd and "path" not in ssd:
         raise ConfigError(f"{src}: store_pipeline {raw!r} needs storage_backends (ssd.path)")
-    if pool["backend"] == "yuanrong" and mooncake:
+    if pipeline.backend == "yuanrong" and mooncake:
         raise ConfigError(
             f"{src}: store_pipeline {raw!r} with Mooncake keys ({', '.join(mooncake)}): "
             "drop them or use store_pipeline 'Mooncake|Posix'"

@@ -189,7 +189,7 @@ def start_peer_master(
     engine's in-process client contributes ``segment`` bytes); returns the master and the
     environment its engines need."""
     from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
+    from kvray.servers.mooncake_master import MooncakeMaster
 
     peer_master = MooncakeMaster(MooncakeMasterConfig(**master), tmp / "peer-master")
     cfg = {

@@ -72,7 +72,7 @@ class Server:
     """One vLLM OpenAI server in its own process group, with its log."""
 
     def __init__(self, name: str, model: str, extra: list[str], env: dict[str, str], tmp: Path):
-        from kvray.master import free_port
+        from kvray.servers.process import free_port
 
         self.name, self.port = name, free_port()
         self.log_path = tmp / f"{name}.log"

@@ -17,7 +17,7 @@ as written), and device memory (the NPU device path stores no trailer).
 Trailers live in a small registered arena of this client (8 bytes per key in flight).
 Digests run on threads of their own (xxhash releases the GIL) in chunks of
 ~:data:`CHUNK_BYTES`: a chunk's digests are computed while the next chunk's bytes move.
-Cost: see README "Block checksums" (bench_store's "checksum cost").
+Cost: see docs/reliability.md, "Block checksums" (bench_store's "checksum cost").
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
-from kvray.master import check_reachable
 from kvray.mmc_conf import render_conf
+from kvray.servers.process import check_reachable
 from kvray.shm import process_gone
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
-from kvray.master import check_reachable
+from kvray.servers.process import check_reachable
 
 logger = logging.getLogger(__name__)
 

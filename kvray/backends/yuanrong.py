@@ -39,7 +39,7 @@ from kvray.backends.base import Backend, KeyStatus, Pieces
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import YuanrongConfig, parse_host_port
 from kvray.errors import BackendError, BackendUnavailableError
-from kvray.master import check_reachable
+from kvray.servers.process import check_reachable
 
 logger = logging.getLogger(__name__)
 

@@ -224,14 +224,12 @@ def _compare_ucm_once(pool: PoolConfig, settings: UcmSettings) -> None:
 def attach_pool(cfg: ConnectorConfig, local_workers: int = 1) -> PoolHandles:
     """Join the Ray cluster (:func:`kvray.embedded.connect`: the configured one, this
     node's, or the node's embedded pool) and find the pool (handles for this node)."""
-    import ray
-
-    from kvray import launcher
+    from kvray import launcher, remote
     from kvray.embedded import connect
 
     settings = ucm_settings(cfg)
     where = "this process's Ray cluster"
-    if not ray.is_initialized():
+    if not remote.connected():
         where = connect(cfg.ray_address, cfg.namespace, cfg.pool_name, cfg.pool_config,
                         local_workers, settings.pool if settings else None)  # fmt: skip
     try:

@@ -2,9 +2,10 @@
 
 - Split by a pipeline-parallel prefill's layer partition: a decode instance without
   pipeline parallelism that stores (or loads) for a prefill with ``prefill_pp_size``
-  stages keeps each block as one key per stage: the layers of stage ``p``
-  (``prefill_pp_layer_partition``, e.g. ``"30,31"``) under the key of PP rank ``p``, which
-  is exactly what that prefill stage's worker stores and looks up.
+  stages keeps each block as one key per stage: the layers of stage ``p`` (the config
+  parses ``prefill_pp_layer_partition``, e.g. ``"30,31"``, into layer counts once:
+  ``ConnectorConfig.layer_partition``) under the key of PP rank ``p``, which is exactly
+  what that prefill stage's worker stores and looks up.
 - Layer-wise transfers (``use_layerwise``): each block of a rank is one key per group of
   its layers (``...@lg<g>of<G>@...``), so each group loads and saves on its own.
 

@@ -1,42 +1,37 @@
-"""Scheduler side of KVRayConnector: prefix lookups, load and save planning.
+"""Scheduler side of KVRayConnector: the front vLLM's scheduler hooks call. It admits
+requests with what the pool holds for them (:mod:`kvray.connector.lookups`), plans each
+step's loads and saves as :class:`~kvray.connector.metadata.KVRayMetadata`
+(:mod:`kvray.connector.request_state`), and follows requests to their finish.
 
-Nothing here blocks a scheduler step. A lookup is one Ray call to the Lookup actor;
-``get_num_new_matched_tokens`` returns ``None`` ("ask again") until its ObjectRef is
-ready, and treats a lookup older than ``lookup_timeout_ms`` (or a failed one) as a miss,
-logged once and counted. A hit is pinned by the backend's read lease (Mooncake grants
-one per ``exists``) until it is loaded; a block that vanished anyway fails its load,
-which the worker reports to vLLM.
+Nothing here blocks a scheduler step. ``get_num_new_matched_tokens`` returns ``None``
+("ask again") until the request's lookup is answered, and treats a lookup older than
+``lookup_timeout_ms`` (or a failed one) as a miss, logged once and counted. A hit is
+pinned by the backend's read lease (Mooncake grants one per ``exists``) until it is
+loaded; a block that vanished anyway fails its load, which the worker reports to vLLM.
 
-PD disaggregation through the pool: a prefill instance answers a request marked
-``do_remote_decode`` (vLLM's convention; the proxy sets it) with ``kv_transfer_params``
-``{"kvray": {"pool", "space", "blocks"}}``, the number of leading prompt blocks it stored
-or found in the pool. The proxy forwards them with the decode request; the decode
-instance's lookup then waits in the Lookup actor (up to ``pd_wait_ms``) until all of them
-are there, since the prefill's last saves may still be in flight when its answer reaches
-the proxy. To the scheduler that is just a slower lookup: other requests run meanwhile.
+PD disaggregation through the pool (:mod:`kvray.connector.pd_params`): a decode's lookup
+may wait in the Lookup actor for the blocks its prefill reported stored; this engine's
+hash fingerprint is registered with the pool (:mod:`kvray.connector.hash_registration`).
+
+Per-request timelines are logged at DEBUG on this module's logger (tests and
+``scripts/_engines.py`` collect them there).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import ray
-
+from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.common import InstanceInfo, attach_pool
-from kvray.connector.fingerprint import (
-    FIX,
-    Fingerprint,
-    mismatch_message,
-    random_seed_message,
-)
-from kvray.connector.fingerprint import current as current_fingerprint
+from kvray.connector.hash_registration import HashRegistration
+from kvray.connector.lookups import Lookups
 from kvray.connector.metadata import BlockOp, KVRayMetadata
+from kvray.connector.pd_params import PDParams
+from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
-from kvray.lookup import Answer
 from kvray.misses import counter as miss_counter
 
 if TYPE_CHECKING:
@@ -45,10 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+    from kvray.launcher import PoolHandles
 
-PARAMS_KEY = "kvray"
-"""kvray's entry in vLLM's ``kv_transfer_params`` (next to other connectors' entries)."""
+logger = logging.getLogger(__name__)
 
 
 def _ended_in_error(request: Request) -> bool:
@@ -57,73 +51,37 @@ def _ended_in_error(request: Request) -> bool:
     return request.status == RequestStatus.FINISHED_ERROR
 
 
-def hash_bytes(h: Any) -> bytes:
-    """vLLM's block hashes are bytes (sha256); non-crypto algorithms give ints."""
-    return h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True)
-
-
-@dataclass
-class _Lookup:
-    ref: Any
-    started: float
-    first_block: int
-    """The lookup counts leading hits from this block on."""
-    timeout_s: float
-    """When the answer is overdue (the lookup timeout, plus any PD wait)."""
-    want: int = 0
-    """Leading blocks (from ``first_block``) a prefill reported stored; 0: none."""
-
-
-@dataclass
-class _Request:
-    """What the scheduler side tracks per request, from admission to finish."""
-
-    request: Request
-    local_blocks: int
-    """Leading blocks vLLM's own prefix cache had."""
-    pool_blocks: int = 0
-    """Leading blocks after those that the pool had (and that get loaded)."""
-    block_ids: list[int] = field(default_factory=list)
-    next_save: int = 0
-    """First block not yet stored (or known to be in the pool)."""
-    computed_tokens: int = 0
-    saves_issued: bool = False
-    saved_blocks: int = 0
-    load_failed_blocks: int = 0
-    earlier: tuple[int, int, int] = (0, 0, 0)
-    """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
-    load or a preemption sends it through lookup again)."""
-
-    def totals(self) -> tuple[int, int, int]:
-        hit, loaded, failed = self.earlier
-        return (
-            max(hit, self.pool_blocks),
-            loaded + self.pool_blocks - self.load_failed_blocks,
-            failed + self.load_failed_blocks,
-        )
-
-
 class KVRayScheduler:
     """One per engine instance, in the scheduler process."""
 
-    def __init__(self, info: InstanceInfo) -> None:
+    def __init__(
+        self, info: InstanceInfo, pool: PoolHandles | None = None, waits: Waits | None = None
+    ) -> None:
+        """``pool`` and ``waits``: the pool's handles (attached from ``info`` when None)
+        and how calls are waited for (Ray's when None); tests pass fakes."""
         self.info = info
         self.block_size = info.block_size
-        self._timeout_s = info.config.lookup_timeout_ms / 1e3
-        handles = attach_pool(info.config, info.local_workers)
-        self._manager = handles.manager
-        self._lookup_actor = handles.lookup()  # this node's: the scheduler's
-        # The first call from a new process sets up Ray's connection to the actor (often
-        # longer than a lookup timeout): pay it now, not as a miss on the first request.
-        ray.get(self._lookup_actor.lookup.remote(info.space, [], self._timeout_s), timeout=60)
-        self._lookups: dict[str, _Lookup] = {}
-        self._reqs: dict[str, _Request] = {}
+        pool = pool if pool is not None else attach_pool(info.config, info.local_workers)
+        self.stats = KVRayConnectorStats()
+        self._warned: set[str] = set()
+        self._lookups = Lookups(
+            pool.lookup(),  # this node's: the scheduler's
+            waits if waits is not None else RayWaits(),
+            info.space,
+            info.config.lookup_timeout_ms / 1e3,
+            self.stats,
+            self._warn_once,
+        )
+        self._lookups.warm_up()
+        self._hashes = HashRegistration(pool.manager, info, self._warn_once)
+        self._pd = PDParams(info, self._hashes, self.stats, self._warn_once)
+        self._reqs: dict[str, RequestState] = {}
         self._loads: list[BlockOp] = []
         self._async_loads: list[BlockOp] = []
         self._delayed: list[str] = []
         self._awaiting_frees: set[str] = set()
         self._block_owner: dict[int, str] = {}
-        self._errored: dict[str, tuple[_Request, int, list[int]]] = {}
+        self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
         """Requests that loaded from the pool and ended with an error this step: (state,
         block count, block ids), reported once the step's failed loads are known (under
         the ``fail`` policy vLLM ends such a request before it hands the connector the
@@ -138,19 +96,10 @@ class KVRayScheduler:
         self._parked: dict[str, RequestClock] = {}
         """Finished requests whose first-token step's times are still to come (a request
         finishes, in vLLM's output handling, before that step's connector output)."""
-        self.stats = KVRayConnectorStats()
-        self._warned: set[str] = set()
-        self._pd_wait_s = info.config.pd_wait_ms / 1e3
-        space = info.space
-        self._space_id = [space.namespace, space.layout, space.tp_size, space.pp_size]
-        """What a prefill and a decode compare in ``kv_transfer_params`` (JSON-able)."""
-        self._fingerprint: Fingerprint | None = None
-        """How this engine hashes blocks: known from its first request on."""
-        self._fingerprint_ref: Any = None
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
-            handles.server_address,
+            pool.server_address,
             info.space.namespace,
             info.space.layout,
             info.space.tp_size,
@@ -160,21 +109,14 @@ class KVRayScheduler:
 
     # ---- lookup --------------------------------------------------------------------------
 
-    def _start_lookup(self, request: Request, first_block: int) -> _Lookup:
+    def _start_lookup(self, request: Request, first_block: int) -> None:
+        want = max(0, self._pd.expected_blocks(request) - first_block)
         hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
-        want = max(0, self._expected_from_prefill(request) - first_block)
-        wait_s = self._pd_wait_s if want else 0.0
-        if want:
-            self.stats.add("pd_waits")
-        ref = self._lookup_actor.lookup.remote(
-            self.info.space, hashes, self._timeout_s, want, wait_s
-        )
+        wait_s = self._pd.wait_s if want else 0.0
+        self._lookups.start(request.request_id, hashes, first_block, want, wait_s)
         clock = self._clock(request)
         if clock.timeline.lookup_sent_ms is None:
             clock.timeline.lookup_sent_ms = clock.now_ms()
-        pending = _Lookup(ref, time.monotonic(), first_block, self._timeout_s + wait_s, want)
-        self._lookups[request.request_id] = pending
-        return pending
 
     def _clock(self, request: Request) -> RequestClock:
         clock = self._clocks.get(request.request_id)
@@ -183,43 +125,10 @@ class KVRayScheduler:
             clock = self._clocks[request.request_id] = RequestClock(arrival)
         return clock
 
-    def _ensure_fingerprint(self) -> Fingerprint | None:
-        """This engine's hash fingerprint, registered with the pool (which answers with the
-        other ones it saw for the same model: checked in a later step, never waited for)."""
-        if self._fingerprint is None:
-            fp = current_fingerprint(self.info.hash_algo)
-            if fp is None:
-                return None
-            self._fingerprint = fp
-            if fp.seed_source == "random per process":
-                self._warn_once("random-seed", "%s", random_seed_message(fp))
-            space = self.info.space
-            self._fingerprint_ref = self._manager.register_fingerprint.remote(
-                f"{space.namespace}@{space.layout}", fp.as_dict()
-            )
-        return self._fingerprint
-
-    def _check_fingerprint(self) -> None:
-        ref = self._fingerprint_ref
-        if ref is None or not ray.wait([ref], timeout=0)[0]:
-            return
-        self._fingerprint_ref = None
-        try:
-            others: list[dict[str, Any]] = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            logger.warning("kvray: registering this engine's hash fingerprint failed: %s", exc)
-            return
-        if others and self._fingerprint is not None:
-            self._warn_once(
-                "fingerprint",
-                "%s",
-                mismatch_message(self.info.space.namespace, self._fingerprint, others),
-            )
-
     def on_new_request(self, request: Request) -> None:
         """Start the lookup as the request arrives, so that it is usually answered by the
         time the scheduler first considers the request."""
-        self._ensure_fingerprint()
+        self._hashes.ensure()
         self._clock(request)
         if self.info.can_load and request.block_hashes:
             self._start_lookup(request, 0)
@@ -231,7 +140,7 @@ class KVRayScheduler:
         local = num_computed_tokens // self.block_size
         hashes = request.block_hashes
         if not self.info.can_load or len(hashes) <= local:
-            self._admit(_Request(request, local, next_save=local))
+            self._admit(RequestState(request, local, next_save=local))
             clock = self._clock(request)
             clock.timeline.admitted_ms = clock.now_ms()
             return 0, False
@@ -245,38 +154,23 @@ class KVRayScheduler:
         # starves the Lookup and BackendClient actors (and, on a small host, the prefill a
         # PD wait is waiting for). A request arriving meanwhile is scheduled once the
         # answer is in: at most the lookup timeout, or pd_wait_ms for a PD wait.
-        remaining = max(0.0, pending.timeout_s - (time.monotonic() - pending.started))
-        ready, _ = ray.wait([pending.ref], timeout=0 if self._engine_busy else remaining)
-        if not ready:
-            if time.monotonic() - pending.started < pending.timeout_s:
-                return self._wait_a_step(request)
+        answer = self._lookups.poll(rid, pending, wait=not self._engine_busy)
+        if answer is None:
+            return self._wait_a_step(request)
+        why = answer.miss
+        if pending.timed_out:
             self._clock(request).timeline.lookup_timed_out = True
-            self._lookups.pop(rid)
-            ray.cancel(pending.ref)
-            self.stats.add("lookup_misses_timeout")
-            self._warn_once(
-                "timeout",
-                "pool lookup slower than %.0f ms: counted as a miss",
-                self._timeout_s * 1e3,
-            )
-            hit, why = 0, "lookup_timeout"
+            hit = 0
         else:
-            self._lookups.pop(rid)
-            try:
-                answer: Answer = ray.get(pending.ref)
-                leading, why = answer.hits, answer.miss
-            except ray.exceptions.RayError as exc:
-                self.stats.add("lookup_errors")
-                self._warn_once("error", "pool lookup failed (%s): counted as a miss", exc)
-                leading = pending.want = 0
-                why = "lookup_error"
+            leading = answer.hits
             if pending.first_block + leading < local and pending.first_block < local:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
                 self._start_lookup(request, local)
                 return self._wait_a_step(request)
             if leading < pending.want:
-                self._prefill_blocks_missing(rid, pending, leading)
+                reported = pending.first_block + pending.want
+                self._pd.blocks_missing(rid, reported, pending.first_block + leading)
             hit = max(0, pending.first_block + leading - local)
         clock = self._clock(request)
         clock.timeline.lookup_answered_ms = clock.now_ms()
@@ -292,7 +186,7 @@ class KVRayScheduler:
         external = max(0, hit_tokens - num_computed_tokens)
         pool_blocks = -(-external // self.block_size) if external else 0
         self._admit(
-            _Request(request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks)
+            RequestState(request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks)
         )
         if external == 0:
             return 0, False
@@ -304,61 +198,7 @@ class KVRayScheduler:
         self.stats.add("lookup_wait_steps")
         return None, False
 
-    def _expected_from_prefill(self, request: Request) -> int:
-        """Leading blocks the request's prefill instance reported in the pool (0: none,
-        or stored where this instance cannot read them, or not waiting for them)."""
-        if self._pd_wait_s <= 0:
-            return 0
-        params = getattr(request, "kv_transfer_params", None)
-        entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-        if entry is None:
-            return 0
-        if not isinstance(entry, dict) or not isinstance(entry.get("blocks"), int):
-            self._warn_once("pd-params", "ignoring malformed kv_transfer_params.kvray %r", entry)
-            return 0
-        if entry.get("pool") != self.info.config.pool_name or entry.get("space") != self._space_id:
-            self._warn_once(
-                "pd-space",
-                "the prefill instance stored under pool %r keys %r, this decode instance reads "
-                "pool %r keys %r: nothing of its prefill can be loaded here (set pool_name and "
-                "model_namespace the same on both, and prefill_pp_size for a PP prefill)",
-                entry.get("pool"),
-                entry.get("space"),
-                self.info.config.pool_name,
-                self._space_id,
-            )
-            return 0
-        mine = self._ensure_fingerprint()
-        theirs = entry.get("hash")
-        if mine is not None and theirs is not None and theirs != mine.hash_domain:
-            # The prefill's blocks are under hashes this instance never derives: waiting
-            # for them would only add pd_wait_ms to every request.
-            self.stats.add("pd_hash_mismatches")
-            self._warn_once(
-                "pd-hash",
-                "the prefill instance hashes blocks in hash domain %s, this decode instance "
-                "with %s: none of its blocks can be found here, so decode requests do not wait "
-                "for them: %s",
-                theirs,
-                mine.describe(),
-                FIX,
-            )
-            return 0
-        return min(int(entry["blocks"]), len(request.block_hashes))
-
-    def _prefill_blocks_missing(self, rid: str, pending: _Lookup, found: int) -> None:
-        self.stats.add("pd_wait_timeouts")
-        self._warn_once(
-            "pd-timeout",
-            "request %s: its prefill reported %d blocks stored, the pool had %d after %.0f ms "
-            "(pd_wait_ms): loading those, recomputing the rest",
-            rid,
-            pending.first_block + pending.want,
-            pending.first_block + found,
-            self._pd_wait_s * 1e3,
-        )
-
-    def _admit(self, st: _Request) -> None:
+    def _admit(self, st: RequestState) -> None:
         prev = self._reqs.get(st.request.request_id)
         # Only an admission that got blocks happened; one whose allocation failed is redone.
         if prev is not None and prev.block_ids:
@@ -372,7 +212,7 @@ class KVRayScheduler:
     ) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:  # admitted without a lookup (e.g. resumed): nothing to load
-            st = self._reqs[request.request_id] = _Request(request, 0)
+            st = self._reqs[request.request_id] = RequestState(request, 0)
         st.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -390,31 +230,16 @@ class KVRayScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRayMetadata:
         self._report_finished()  # those finished outside a step's output (aborts)
-        self._check_fingerprint()
+        self._hashes.check()
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = bool(scheduled)
-        for new in scheduler_output.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is not None:
-                st.block_ids = list(new.block_ids[0])
-                st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids and new_ids is not None:
-                st.block_ids = list(new_ids[0])
-            elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
-            st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+        track_scheduled(self._reqs, scheduler_output)
         self._step += 1
         for step in [s for s in self._first_token_steps if s < self._step - 1000]:
             for rid in self._first_token_steps.pop(step):  # no step times ever came
                 self._log_parked(rid)
         self._stamp_first_token_step(scheduled)
-        saves = self._plan_saves(scheduled) if self.info.can_save else []
+        saves = plan_saves(self._reqs, scheduled, self.block_size) if self.info.can_save else []
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
             for block_id in st.block_ids if st else ():
@@ -458,30 +283,6 @@ class KVRayScheduler:
         if clock is not None:
             self._log_timeline(rid, clock)
 
-    def _plan_saves(self, scheduled: dict[str, int]) -> list[BlockOp]:
-        """Prompt blocks completed by this step and not yet in the pool."""
-        saves = []
-        for rid in scheduled:
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            req = st.request
-            full = min(st.computed_tokens, req.num_prompt_tokens) // self.block_size
-            full = min(full, len(req.block_hashes), len(st.block_ids))
-            if full <= st.next_save:
-                continue
-            saves.append(
-                BlockOp(
-                    rid,
-                    tuple(hash_bytes(h) for h in req.block_hashes[st.next_save : full]),
-                    tuple(st.block_ids[st.next_save : full]),
-                )
-            )
-            st.saved_blocks += full - st.next_save
-            st.next_save = full
-            st.saves_issued = True
-        return saves
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
@@ -504,7 +305,7 @@ class KVRayScheduler:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._lookups.pop(rid, None)
+        self._lookups.drop(rid)
         st = self._reqs.pop(rid, None)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:
@@ -523,31 +324,13 @@ class KVRayScheduler:
         else:
             self._release_blocks(rid, block_ids)
             self._log_request(rid, st, len(request.block_hashes))
-        params = self._params_for_decode(request, st)
+        params = self._pd.for_decode(request, st.next_save)
         if not st.saves_issued:
             return False, params
         # Keep the blocks until every worker reports its saves of them done.
         self._delayed.append(rid)
         self._awaiting_frees.add(rid)
         return True, params
-
-    def _params_for_decode(self, request: Request, st: _Request) -> dict[str, Any] | None:
-        """What a decode instance needs to find this prefill's blocks: only for requests
-        marked ``do_remote_decode`` (the proxy's prefill requests)."""
-        asked = getattr(request, "kv_transfer_params", None)
-        if not self.info.can_save or not (
-            isinstance(asked, dict) and asked.get("do_remote_decode")
-        ):
-            return None
-        entry: dict[str, Any] = {
-            "pool": self.info.config.pool_name,
-            "space": self._space_id,
-            "blocks": st.next_save,
-        }
-        fp = self._ensure_fingerprint()
-        if fp is not None:
-            entry["hash"] = fp.hash_domain
-        return {PARAMS_KEY: entry}
 
     def _release_blocks(self, rid: str, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -589,7 +372,7 @@ class KVRayScheduler:
         )
 
     @staticmethod
-    def _log_request(rid: str, st: _Request, total: int) -> None:
+    def _log_request(rid: str, st: RequestState, total: int) -> None:
         hit, loaded, failed = st.totals()
         logger.info(
             "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",

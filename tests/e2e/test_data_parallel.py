@@ -46,7 +46,7 @@ def _by_engine(log: str) -> dict[str, list[dict[str, int]]]:
 
 
 def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
-    from kvray.master import free_port
+    from kvray.servers.process import free_port
 
     pool = start_pool("dp", 2, "256MB")
     port = free_port()

@@ -36,7 +36,7 @@ plus startup; vLLM's own startup to the connector takes ~20-40 s on 2 cores."""
 def _serve(
     name: str, model: str, env: dict[str, str], tmp: Path, extra: dict
 ) -> tuple[Server, int]:
-    from kvray.master import free_port
+    from kvray.servers.process import free_port
 
     port = free_port()
     transfer = {
@@ -162,7 +162,7 @@ def _mapped_psm() -> set[str]:
 def test_vllm_serve_without_its_pool_fails_fast_naming_the_fix(
     case, ray_cluster, tiny_model, tmp_path
 ):
-    from kvray.master import free_port
+    from kvray.servers.process import free_port
 
     env = _base_env(tmp_path)
     if case == "dead cluster":

@@ -181,7 +181,7 @@ def config_copy(name: str, tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-def]
-    from kvray.master import free_port
+    from kvray.servers.process import free_port
 
     pool = start_pool("kvray", 1, "256MB")  # the configs' pool_name
     tmp = tmp_path_factory.mktemp("pd")

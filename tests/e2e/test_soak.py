@@ -1,7 +1,7 @@
 """The soak under faults, CI-sized (scripts/soak.py, 60 s of 4 concurrent clients with a
 fault every ~4 s: each kind injected at least once): every completed request's greedy
 tokens equal the run without kvray, none fails or waits past the bound, and nothing is
-left behind. README "Reliability" has the long run's counts."""
+left behind. docs/reliability.md has the long run's counts."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ _names = itertools.count()
 def mooncake_master():
     """A real mooncake_master on free loopback ports, with a short read lease."""
     from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
+    from kvray.servers.mooncake_master import MooncakeMaster
 
     with tempfile.TemporaryDirectory(prefix="kvray-test-master-") as log_dir:
         config = MooncakeMasterConfig(default_kv_lease_ttl_ms=200, client_ttl_s=2)
@@ -33,7 +33,7 @@ def mooncake_master():
 
 def _datasystem_worker(**kw):
     from kvray.config import DatasystemWorkerConfig
-    from kvray.datasystem import DatasystemWorker
+    from kvray.servers.datasystem import DatasystemWorker
 
     worker = DatasystemWorker(DatasystemWorkerConfig(shared_memory_size="256MB", threads=2), **kw)
     worker.start()

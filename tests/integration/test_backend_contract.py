@@ -14,7 +14,7 @@ import pytest
 from kvray.backends.base import Backend, KeyStatus
 from kvray.config import MooncakeConfig, YuanrongConfig
 from kvray.errors import BackendUnavailableError
-from kvray.master import free_port
+from kvray.servers.process import free_port
 
 pytestmark = pytest.mark.integration
 _ids = itertools.count()

@@ -103,7 +103,7 @@ def test_engines_share_the_embedded_pool_and_the_last_one_stops_it(tmp_path):
         log = files.log.read_text()
         assert "no engine uses the pool any more" in log and "stopped" in log, log[-3000:]
         # Nothing of its Ray cluster is left: the GCS port no longer answers.
-        from kvray.master import why_unreachable
+        from kvray.servers.process import why_unreachable
 
         assert why_unreachable(a["address"], 1.0) is not None
     finally:

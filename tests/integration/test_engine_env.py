@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import ray
 
 from .conftest import small_config
 
@@ -32,7 +31,7 @@ def test_engine_env_reaches_the_actors_and_differences_are_reported(
     try:
         handles = pool._h
         for actor in (handles.client(0), handles.client(1)):
-            env = _environ(ray.get(actor.probe.remote(), timeout=30)["pid"])
+            env = _environ(actor.probe().result(30)["pid"])
             assert (env.get("HCCL_RDMA_TIMEOUT"), env.get("ASCEND_CONNECT_TIMEOUT")) == (
                 "17",
                 "12345",
@@ -48,7 +47,7 @@ def test_engine_env_reaches_the_actors_and_differences_are_reported(
         assert "were started with other backend settings" in text, text
         assert "HCCL_RDMA_TIMEOUT: the pool's clients '17', this process '20'" in text
         assert "ASCEND_CONNECT_TIMEOUT: the pool's clients '12345', this process unset" in text
-        env = _environ(ray.get(other.client(0).probe.remote(), timeout=30)["pid"])
+        env = _environ(other.client(0).probe().result(30)["pid"])
         assert env.get("HCCL_RDMA_TIMEOUT") == "17", "running actors keep their settings"
     finally:
         pool.shutdown()

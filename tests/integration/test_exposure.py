@@ -3,7 +3,7 @@ and using it opens (its embedded server, its node actors, the Ray workers that h
 listed from the kernel's table with its process. Everything listens on loopback except
 Mooncake's transfer engine inside each Mooncake client process (BackendClient and Lookup
 actors), which opens its TCP data port on all interfaces with no setting to change it:
-README, "What else listens", says so and how to deploy around it."""
+docs/security.md, "What else listens", says so and how to deploy around it."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_a_running_pool_listens_on_loopback_but_mooncakes_data_port(ray_cluster,
         assert not wide, f"not on loopback:\n{table}"
         return
     # Mooncake: only its clients' transfer-engine data port, never the master's ports.
-    assert wide, "Mooncake's data port was expected on all interfaces (README says so)"
+    assert wide, "Mooncake's data port was expected on all interfaces (docs/security.md says so)"
     for (ip, port), pid in wide.items():
         assert pid not in server_pids, f"the master listens on {ip}:{port}:\n{table}"
         assert titles[pid].startswith(MOONCAKE_CLIENTS), f"{ip}:{port} by {titles[pid]}"

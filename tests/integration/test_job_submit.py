@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvray.master import free_port
+from kvray.servers.process import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

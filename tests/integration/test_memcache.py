@@ -19,7 +19,7 @@ from kvray.backends.base import KeyStatus
 from kvray.config import MemcacheConfig, MemcacheMetaConfig, PoolConfig
 from kvray.errors import BackendUnavailableError
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
-from kvray.mmc_meta import MetaService
+from kvray.servers.mmc_meta import MetaService
 
 pytestmark = pytest.mark.integration
 NPU = bool(glob.glob("/dev/davinci[0-9]*"))

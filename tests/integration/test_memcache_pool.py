@@ -14,8 +14,8 @@ import ray
 from kvray import Pool
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError
-from kvray.mmc_meta import PTRACER_DIR
 from kvray.naming import manager_name
+from kvray.servers.mmc_meta import PTRACER_DIR
 
 from .conftest import pool_actor_names
 

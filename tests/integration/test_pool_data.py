@@ -164,16 +164,13 @@ def test_stats_count_what_happened(pool, prefix):
 def test_pool_remembers_the_block_geometry_of_each_key_layout(pool, prefix):
     """What lets KVRayConnector refuse an engine whose blocks are shaped differently under
     the same keys (tests/unit/test_staging.py checks the refusal itself)."""
-    import ray
 
     manager = pool._h.manager
     keys = f"{prefix}@float16-b16-h4x64"
-    assert ray.get(manager.claim_geometry.remote(keys, "p4x16x128")) == "p4x16x128"
-    assert ray.get(manager.claim_geometry.remote(keys, "p16x4x64.p16x4x64")) == "p4x16x128"
+    assert manager.claim_geometry(keys, "p4x16x128").result(30) == "p4x16x128"
+    assert manager.claim_geometry(keys, "p16x4x64.p16x4x64").result(30) == "p4x16x128"
     other = f"{prefix}-other@float16-b16-h4x64"
-    assert ray.get(manager.claim_geometry.remote(other, "p16x4x64.p16x4x64")) == (
-        "p16x4x64.p16x4x64"
-    )
+    assert manager.claim_geometry(other, "p16x4x64.p16x4x64").result(30) == ("p16x4x64.p16x4x64")
 
 
 def _eventually(check, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]

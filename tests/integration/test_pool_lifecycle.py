@@ -18,8 +18,8 @@ from kvray.errors import (
     PoolNotFoundError,
     TransferError,
 )
-from kvray.master import free_port
 from kvray.naming import manager_name, region_prefix
+from kvray.servers.process import free_port
 from kvray.shm import mapped_regions
 
 from .conftest import pool_actor_names, small_config
@@ -42,7 +42,7 @@ def assert_nothing_left(cfg, master_pid=None):
 def test_embedded_master_lifecycle(ray_cluster):
     cfg = small_config(None, world_size=1)
     pool = Pool.start(cfg)
-    spec = ray.get(pool._h.manager.spec.remote())
+    spec = pool._h.manager.spec().result(30)
     assert spec["embedded"] and spec["server_alive"]
     master = psutil.Process(spec["server_pid"])
     assert "mooncake_master" in " ".join(master.cmdline())
@@ -59,7 +59,7 @@ def test_start_is_idempotent_and_attach_finds_data(ray_cluster, mooncake_master)
     pool = Pool.start(cfg)
     try:
         again = Pool.start(cfg)
-        assert again._h.client(0)._actor_id == pool._h.client(0)._actor_id
+        assert again._h.client(0).actor._actor_id == pool._h.client(0).actor._actor_id
         again.close()
         pool.put(f"{cfg.name}-a", np.full(10, 7, np.uint8))
         attached = Pool.attach(cfg.name, cfg.namespace)
@@ -114,13 +114,13 @@ def test_killed_backend_client_restarts_and_serves(ray_cluster, mooncake_master)
     try:
         actor = pool._h.client(0)
         pool.put(f"{cfg.name}-before", np.ones(64, np.uint8))
-        old = psutil.Process(ray.get(actor.probe.remote())["pid"])
-        ray.kill(actor, no_restart=False)
+        old = psutil.Process(actor.probe().result(30)["pid"])
+        ray.kill(actor.actor, no_restart=False)
         old.wait(timeout=30)
         value = np.arange(4096, dtype=np.uint8)
         pool.put(f"{cfg.name}-after", value)  # waits for the restarted actor
         assert np.array_equal(pool.get(f"{cfg.name}-after", shape=(4096,)), value)
-        assert ray.get(actor.probe.remote())["pid"] != old.pid
+        assert actor.probe().result(30)["pid"] != old.pid
         assert pool.stats().ranks[0].alive
         # The old block lived in the dead client's segment: a failed read or a miss,
         # never other bytes.

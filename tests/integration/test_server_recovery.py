@@ -87,7 +87,7 @@ def _check_back(pool) -> None:  # type: ignore[no-untyped-def]
 def test_external_mooncake_master_dies_and_comes_back(ray_cluster):
     from kvray import Pool
     from kvray.config import MooncakeMasterConfig
-    from kvray.master import MooncakeMaster
+    from kvray.servers.mooncake_master import MooncakeMaster
 
     with tempfile.TemporaryDirectory(prefix="kvray-test-ext-master-") as logs:
         master = MooncakeMaster(MooncakeMasterConfig(client_ttl_s=2), logs)
@@ -109,7 +109,7 @@ def test_external_mooncake_master_dies_and_comes_back(ray_cluster):
 def test_external_datasystem_worker_dies_and_comes_back(ray_cluster):
     from kvray import Pool
     from kvray.config import DatasystemWorkerConfig
-    from kvray.datasystem import DatasystemWorker
+    from kvray.servers.datasystem import DatasystemWorker
 
     worker = DatasystemWorker(
         DatasystemWorkerConfig(shared_memory_size="128MB", threads=2), name="recovery"

@@ -22,9 +22,9 @@ from kvray import Pool
 from kvray.backends.base import KeyStatus
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import DatasystemWorkerConfig, YuanrongConfig
-from kvray.datasystem import DatasystemWorker
 from kvray.errors import BackendUnavailableError, ConfigError
 from kvray.naming import manager_name, region_prefix
+from kvray.servers.datasystem import DatasystemWorker
 from kvray.shm import mapped_regions
 
 from .conftest import pool_actor_names, small_config, stop_and_check

@@ -56,7 +56,7 @@ def main() -> int:
         n = int(args[3]) if len(args) > 3 else 1 << 20
         value = _value(seed, n)
         client = pool._h.client(0)
-        where = ray.get(client.probe.remote())["node_id"]
+        where = client.probe().result(60)["node_id"]
         if cmd == "put":
             pool.put(key, value)
             out = {"node": me, "client_node": where}

@@ -246,3 +246,36 @@ def test_replicas_and_node_address_defaults():
     assert cfg.replica_num == 2
     # unset: each node's clients advertise their own node's address (filled in there)
     assert cfg.mooncake.local_hostname is None
+
+
+def test_nested_typo_lists_the_sections_fields():
+    from kvray.config import YuanrongConfig
+
+    with pytest.raises(ConfigError) as err:
+        PoolConfig.from_dict({"backend": "yuanrong", "yuanrong": {"write_mod": "keep"}}, environ={})
+    line = next(x for x in str(err.value).splitlines() if "yuanrong.write_mod" in x)
+    allowed = line.split("allowed here: ")[1].split(", ")
+    assert allowed == sorted(YuanrongConfig.model_fields)
+    assert "world_size" not in allowed and "write_mode" in allowed
+    with pytest.raises(ConfigError, match=r"mooncake\.offload\.bucket_keys: .* bucket_keys_limit"):
+        PoolConfig.from_dict({"mooncake": {"offload": {"bucket_keys": 1}}}, environ={})
+
+
+def test_pipeline_and_partition_are_parsed_once_into_typed_values(tmp_path):
+    from kvray.config import Pipeline
+
+    cfg = PoolConfig.from_dict(
+        {"pipeline": "mooncake | ssd", "ssd": {"path": str(tmp_path)}}, environ={}
+    )
+    assert cfg.tiers == Pipeline("mooncake", ssd=True) and cfg.ssd_tier
+    assert str(cfg.tiers) == "mooncake|ssd" and cfg.pipeline == "mooncake | ssd"
+    again = PoolConfig.model_validate_json(cfg.model_dump_json())
+    assert again == cfg and again.tiers == cfg.tiers
+    assert PoolConfig.from_dict({}, environ={}).tiers == Pipeline("mooncake")
+    assert Pipeline.parse("yuanrong|ssd") == Pipeline("yuanrong", ssd=True)
+    assert Pipeline.parse("mooncake|posix") is None
+    conn = ConnectorConfig.model_validate({"prefill_pp_layer_partition": [10, 10, 12]})
+    assert conn.prefill_partition == (10, 10, 12) and conn.prefill_pp_size == 3
+    assert conn.model_dump()["prefill_pp_layer_partition"] == "10,10,12"
+    assert ConnectorConfig.model_validate_json(conn.model_dump_json()) == conn
+    assert ConnectorConfig().prefill_partition is None

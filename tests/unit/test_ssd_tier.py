@@ -204,7 +204,7 @@ def test_offload_path_and_quota_checks(tmp_path):
     with pytest.raises(ValueError, match="larger than the disk"):
         load(ssd_offload_path=str(tmp_path), offload={"total_size_limit_bytes": 1 << 60})
     assert load(ssd_offload_path=str(tmp_path)).enable_ssd_offload
-    from kvray.master import MooncakeMaster
+    from kvray.servers.mooncake_master import MooncakeMaster
 
     cmd = MooncakeMaster(MooncakeMasterConfig(enable_offload=True), tmp_path).command()
     assert "--enable_offload=true" in cmd

@@ -9,8 +9,8 @@ import pytest
 from kvray.backends.base import KeyStatus
 from kvray.backends.yuanrong import classify, code_of
 from kvray.config import ConnectorConfig, DatasystemWorkerConfig, PoolConfig, YuanrongConfig
-from kvray.datasystem import UDS_DIR_MAX, DatasystemWorker
 from kvray.errors import ConfigError
+from kvray.servers.datasystem import UDS_DIR_MAX, DatasystemWorker
 
 
 def test_env_is_read_once_into_the_typed_config(tmp_path):

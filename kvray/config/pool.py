@@ -1,0 +1,203 @@
+"""One pool: its name, ranks, backend sections, tiers and embedded servers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast, get_args
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from kvray.config._common import (
+    BackendName,
+    ByteSize,
+    MiB,
+    _read_json,
+    _Strict,
+    read_yaml,
+    validate,
+)
+from kvray.config.memcache import MemcacheConfig, MemcacheMetaConfig
+from kvray.config.mooncake import MooncakeConfig, MooncakeMasterConfig
+from kvray.config.ssd import SsdConfig
+from kvray.config.yuanrong import DatasystemWorkerConfig, YuanrongConfig
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A pool's tiers, fastest first: its DRAM backend, then (``ssd``) kvray's SSD tier
+    below it. Written ``"<backend>"`` or ``"<backend>|ssd"`` (``PoolConfig.pipeline``)."""
+
+    backend: BackendName
+    ssd: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Pipeline | None:
+        """``"mooncake|ssd"`` -> ``Pipeline("mooncake", ssd=True)``; None if malformed."""
+        first, *rest = (t.strip() for t in text.split("|"))
+        if first not in get_args(BackendName) or rest not in ([], ["ssd"]):
+            return None
+        return cls(cast(BackendName, first), ssd=bool(rest))
+
+    def __str__(self) -> str:
+        return f"{self.backend}|ssd" if self.ssd else self.backend
+
+
+class PoolConfig(_Strict):
+    """One kvray pool: its actors, ranks, backend and embedded servers."""
+
+    name: str = Field("kvray", pattern=_NAME_PATTERN)
+    """Pool name; its actors are named ``<name>.manager``, ``<name>.client.<node>.<slot>``,
+    ``<name>.ssd.<node>.<slot>`` and ``<name>.lookup.<node>`` (kvray.naming)."""
+    namespace: str = Field("kvray", pattern=_NAME_PATTERN)
+    """Ray namespace of the pool's actors."""
+    backend: BackendName = "mooncake"
+    """Storage backend: ``mooncake``, ``yuanrong`` (openYuanrong datasystem) or
+    ``memcache`` (Huawei MemCache; its data path needs the Ascend driver)."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """Clients per node: one BackendClient (and SSD actor) per local device/rank ("slot"
+    ``0..world_size-1``), made on a node when a worker (or a Pool API call) there first
+    uses it; the starting node's are made at start. At least the most engine workers
+    any node runs (8 for TP8 on 8-card nodes); each client contributes its segment."""
+    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
+    """Mooncake client settings (``mooncake.json``)."""
+    master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
+    """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
+    yuanrong: YuanrongConfig = Field(default_factory=YuanrongConfig)
+    """openYuanrong datasystem client settings (``DS_*`` environment variables)."""
+    datasystem: DatasystemWorkerConfig = Field(default_factory=DatasystemWorkerConfig)
+    """The embedded datasystem worker (used only without a worker address)."""
+    memcache: MemcacheConfig = Field(default_factory=MemcacheConfig)
+    """MemCache client settings (``mmc-local.conf``)."""
+    memcache_meta: MemcacheMetaConfig = Field(default_factory=MemcacheMetaConfig)
+    """The embedded MemCache MetaService (used only without a meta_service_url)."""
+    pipeline: str | None = None
+    """Tiers, fastest first: ``"<backend>"`` (default) or ``"<backend>|ssd"`` (store to
+    both, load from DRAM and fall back to SSD for misses, as UCM's ``Mooncake|Posix``)."""
+    ssd: SsdConfig | None = None
+    """kvray's SSD tier (needed by a pipeline with ``ssd``)."""
+    cpus_per_rank: float = Field(0.1, ge=0)
+    """CPU Ray reserves for each BackendClient (and SSD) actor on its node."""
+    replica_num: int = Field(1, ge=1, le=16)
+    """Copies of each block, in distinct segments (UCM's key; Mooncake's
+    ``ReplicateConfig.replica_num``): with 2 a block survives the loss of one node's
+    segment. The first copy goes to the writer's own segment."""
+    io_threads: int = Field(4, ge=1, le=64)
+    """Threads each BackendClient uses for the backend's blocking batch calls."""
+    checksum: bool = False
+    """Every block stored in the backend carries an xxh3-64 of its key and bytes (an
+    8-byte trailer written with it), checked on every load before the engine may use the
+    bytes: a mismatch is a failed load (recomputed), counted, and the block is removed.
+    Off by default: on the 2-core test machine it costs more than 5 % of the load rate
+    (docs/reliability.md, "Block checksums"). All clients of a pool agree (the setting is the
+    pool's). The SSD tier checks its own files either way; the NPU device path
+    (``yuanrong.device: npu``) has no trailer."""
+    transfer_window_size: ByteSize = 64 * MiB
+    """Shared-memory staging window per Pool client and rank (copies of foreign tensors)."""
+    call_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of one data-plane actor call (a whole batch)."""
+    lookup_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one Pool API lookup call."""
+    detached: bool = True
+    """Pool actors outlive the process that started them (``kvray down`` stops them)."""
+
+    _tiers: Pipeline = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "placement_strategy" in data:
+            raise ValueError(
+                "placement_strategy was removed: kvray places each client on the node of the "
+                "worker that uses it (no placement group); delete the key"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _replicas(self) -> PoolConfig:
+        if self.replica_num > 1 and self.backend != "mooncake":
+            raise ValueError(
+                f"replica_num {self.replica_num} needs backend mooncake: the {self.backend} "
+                "client kvray uses has no per-put replica count (its servers own placement); "
+                "set replica_num: 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> PoolConfig:
+        # Parsed once, here; the field keeps its string (the JSON form actors get).
+        tiers = Pipeline(self.backend) if self.pipeline is None else Pipeline.parse(self.pipeline)
+        if tiers is None or tiers.backend != self.backend:
+            raise ValueError(
+                f"pipeline {self.pipeline!r}: write '{self.backend}' or '{self.backend}|ssd' "
+                "(the pool's backend first, then optionally the ssd tier)"
+            )
+        if tiers.ssd and self.ssd is None:
+            raise ValueError(f"pipeline {self.pipeline!r} needs an ssd section (ssd.path, ...)")
+        self._tiers = tiers
+        return self
+
+    @property
+    def tiers(self) -> Pipeline:
+        """``pipeline`` parsed (the backend alone when unset)."""
+        return self._tiers
+
+    @property
+    def ssd_tier(self) -> bool:
+        """Whether the pool chains kvray's SSD tier under its DRAM backend."""
+        return self._tiers.ssd
+
+    @model_validator(mode="after")
+    def _memcache_ranks(self) -> PoolConfig:
+        if self.backend == "memcache" and self.world_size > self.memcache.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} exceeds memcache.world_size "
+                f"{self.memcache.world_size} (ock.mmc.local_service.world_size): raise it"
+            )
+        return self
+
+    @property
+    def embedded_server(self) -> bool:
+        """Whether kvray runs the backend's server itself (no address configured)."""
+        if self.backend == "memcache":
+            return self.memcache.meta_service_url is None
+        if self.backend == "yuanrong":
+            return self.yuanrong.worker_address is None
+        return self.mooncake.master_server_address is None
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+    ) -> PoolConfig:
+        """Load a pool config (JSON or YAML); without a ``mooncake`` (``yuanrong``) section
+        the backend's settings come from ``MOONCAKE_CONFIG_PATH`` and the environment
+        (the ``DS_*`` variables)."""
+        data = (
+            _read_json(str(path), "--config")
+            if str(path).endswith(".json")
+            else read_yaml(str(path))
+        )
+        return cls.from_dict(data, environ, source=str(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        source: str = "pool config",
+    ) -> PoolConfig:
+        data = dict(data or {})
+        if data.get("backend", "mooncake") == "mooncake" and "mooncake" not in data:
+            data["mooncake"] = MooncakeConfig.from_env(environ)
+        if data.get("backend") == "yuanrong" and "yuanrong" not in data:
+            data["yuanrong"] = YuanrongConfig.from_env(environ)
+        if data.get("backend") == "memcache":
+            if "memcache" not in data:
+                data["memcache"] = MemcacheConfig.from_env(environ)
+            if "memcache_meta" not in data:
+                data["memcache_meta"] = MemcacheMetaConfig.from_env(environ)
+        return validate(cls, data, source=source)

@@ -1,0 +1,327 @@
+"""Worker side, load path: blocks from the pool into the engine's KV cache.
+
+A step's loads are one batched ``get`` per transfer (per part when a block is several
+keys). Sync loads end before the step's forward; async ones are polled in
+``get_finished`` and reported done per request. Layer-wise (``use_layerwise``): a step's
+sync loads are sent at once, one call per layer group, and the forward waits for group
+``g`` only in ``wait_for_layer_load`` of its first layer (staged: then scatters that
+group), so later groups arrive while earlier layers compute. A group the forward did not
+wait for (an engine that skips the per-layer hooks) is reported as failed, never used.
+
+A block loads only if every key of it did; one that did not (absent, corrupt, a failed
+or late call) is left alone and reported through ``get_block_ids_with_load_errors``, so
+vLLM recomputes it (or fails its request, under its ``fail`` policy).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvray.backends.base import KeyStatus
+from kvray.errors import KVRayError
+
+if TYPE_CHECKING:
+    from kvray.connector.calls import Waits
+    from kvray.connector.metadata import BlockOp
+    from kvray.connector.region import KVRegion
+    from kvray.connector.slots import StagingSlots
+    from kvray.connector.stats import KVRayConnectorStats
+    from kvray.remote import Call, StoreHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _LayerwiseLoad:
+    """A step's sync loads in flight, one call per layer group."""
+
+    ops: list[BlockOp]
+    block_ids: list[int]
+    first: int | None
+    calls: list[Call[list[KeyStatus]]]
+    statuses: list[list[KeyStatus]] = field(default_factory=list)
+    """Of the groups done so far, in order."""
+    on_time: bool = False
+    """Every group was waited for by the forward (``wait_for_layer_load``)."""
+    failed_call: bool = False
+    """Some group's call failed or timed out (it may still write staging)."""
+    scattered: Any = None
+    """Event of the last scatter (device), to wait for before freeing staging."""
+
+    @property
+    def n(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(eq=False)
+class _AsyncLoad:
+    """An async load in flight: its calls (one per part), ops, blocks, first staging
+    slot (None when shared)."""
+
+    calls: list[Call[list[KeyStatus]]]
+    ops: list[BlockOp]
+    n: int
+    first: int | None
+
+
+def all_ok(per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
+    """A block loaded only if every part of it did (else: its first part's failure)."""
+    return [
+        KeyStatus.OK
+        if all(s is KeyStatus.OK for s in col)
+        else next(s for s in col if s is not KeyStatus.OK)
+        for col in zip(*per_batch, strict=True)
+    ]
+
+
+class Loader:
+    """One worker's loads: sync, async and layer-wise, and the blocks that failed."""
+
+    def __init__(
+        self,
+        store: StoreHandle,
+        waits: Waits,
+        region: KVRegion,
+        slots: StagingSlots | None,
+        stats: KVRayConnectorStats,
+        timeout_s: float,
+    ) -> None:
+        self._store = store
+        self._waits = waits
+        self._region = region
+        self._slots = slots
+        self._stats = stats
+        self._timeout_s = timeout_s
+        self._rank = region.rank
+        self._async: list[_AsyncLoad] = []
+        self._loaded: set[str] = set()
+        """Requests whose async loads (some of them) are done, to report once all are."""
+        self._errors: set[int] = set()
+        self._lw: _LayerwiseLoad | None = None
+        self._warned_late = False
+
+    # ---- a step's loads ------------------------------------------------------------------
+
+    def start(self, loads: list[BlockOp], async_loads: list[BlockOp]) -> None:
+        """Send the step's loads; sync ones (not layer-wise) end here."""
+        if self._region.layerwise and loads and self._region.fits(loads):
+            self._start_layerwise(loads)
+            loads = []
+        for chunk in self._region.chunks(loads):
+            self._load_now(chunk)
+        for chunk in self._region.chunks(async_loads):
+            self._send_async(chunk)
+
+    def _reserve(self, ops: list[BlockOp], n: int) -> tuple[bool, int | None]:
+        """(got slots, first slot): shared needs none; staged fails the ops when staging
+        stays full."""
+        if self._slots is None:
+            return True, None
+        first = self._slots.reserve(n)
+        if first is None:
+            self._account(ops, [KeyStatus.ERROR] * n)
+            return False, None
+        return True, first
+
+    def _load_now(self, chunk: list[BlockOp]) -> None:
+        n = sum(len(op.block_ids) for op in chunk)
+        ok, first = self._reserve(chunk, n)
+        if not ok:
+            return
+        batches = self._region.batches(chunk, first)
+        calls: list[Call[list[KeyStatus]]] = []
+        try:
+            calls = [self._store.get(b) for b in batches]
+            statuses = all_ok(self._waits.results(calls, self._timeout_s))
+        except KVRayError as exc:
+            logger.warning("rank %d: load of %d blocks failed: %s", self._rank, n, exc)
+            statuses = [KeyStatus.ERROR] * n
+            if first is not None:
+                assert self._slots is not None
+                # A call still running may write these slots later: they stay held
+                # until it ended, so no other transfer can be handed its bytes.
+                self._slots.hold(calls, first, n)
+                first = None
+        if first is not None:
+            self._scatter(chunk, first, statuses)
+        self._account(chunk, statuses)
+
+    def _send_async(self, chunk: list[BlockOp]) -> None:
+        n = sum(len(op.block_ids) for op in chunk)
+        ok, first = self._reserve(chunk, n)
+        if not ok:
+            self._loaded.update(op.req_id for op in chunk)
+            return
+        calls = [self._store.get(b) for b in self._region.batches(chunk, first)]
+        self._async.append(_AsyncLoad(calls, chunk, n, first))
+
+    def _scatter(self, ops: list[BlockOp], first: int, statuses: list[KeyStatus]) -> None:
+        """Staged: the blocks that loaded, from their slots into the KV cache; frees the
+        slots. A block that failed is left alone (vLLM recomputes it)."""
+        stager = self._region.stager
+        assert stager is not None
+        block_ids = [b for op in ops for b in op.block_ids]
+        rows = [i for i, s in enumerate(statuses) if s is KeyStatus.OK]
+        try:
+            stager.scatter([block_ids[i] for i in rows], first, rows)
+        finally:
+            stager.release(first, len(block_ids))
+
+    def _account(self, ops: list[BlockOp], statuses: list[KeyStatus]) -> None:
+        block_ids = [b for op in ops for b in op.block_ids]
+        failed = {b for b, s in zip(block_ids, statuses, strict=True) if s is not KeyStatus.OK}
+        self._errors |= failed
+        row_bytes = self._region.row_bytes
+        self._stats.add("loaded_blocks", len(block_ids) - len(failed))
+        self._stats.add("loaded_bytes", (len(block_ids) - len(failed)) * row_bytes)
+        self._stats.add("load_failed_blocks", len(failed))
+        gone = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.NOT_FOUND}
+        bad = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.CORRUPT}
+        self._stats.add("miss_gone_at_load", len(gone))
+        self._stats.add("miss_corrupt", len(bad))
+        self._stats.add("miss_load_failed", len(failed - gone - bad))
+        if failed:
+            logger.warning(
+                "rank %d: %d of %d pool blocks failed to load; reported to vLLM",
+                self._rank,
+                len(failed),
+                len(block_ids),
+            )
+
+    # ---- async loads ---------------------------------------------------------------------
+
+    def async_calls(self) -> list[Call[Any]]:
+        return [c for load in self._async for c in load.calls]
+
+    def poll_async(self) -> None:
+        """Account (and, staged, scatter) every async load whose calls are all done."""
+        if not self._async:
+            return
+        calls = self.async_calls()
+        done = self._waits.ready(calls, 0, every=True)
+        ended = {id(c) for c, d in zip(calls, done, strict=True) if d}
+        finished = [ld for ld in self._async if all(id(c) in ended for c in ld.calls)]
+        self._async = [ld for ld in self._async if ld not in finished]
+        for load in finished:
+            try:
+                statuses = all_ok(self._waits.results(load.calls, None))
+            except KVRayError as exc:
+                logger.warning(
+                    "rank %d: async load of %d blocks failed: %s", self._rank, load.n, exc
+                )
+                statuses = [KeyStatus.ERROR] * load.n
+            if load.first is not None:
+                self._scatter(load.ops, load.first, statuses)
+            self._account(load.ops, statuses)  # errors recorded before reporting done
+            self._loaded.update(op.req_id for op in load.ops)
+
+    def finished(self) -> set[str]:
+        """Requests whose async loads all ended since the last call."""
+        # A request whose blocks were cut into several staged transfers is done when the
+        # last of them is.
+        pending = {op.req_id for load in self._async for op in load.ops}
+        done = self._loaded - pending
+        self._loaded -= done
+        return done
+
+    def take_errors(self) -> set[int]:
+        """Block ids whose loads failed since the last call (vLLM recomputes them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ---- layer-wise ----------------------------------------------------------------------
+
+    def _start_layerwise(self, ops: list[BlockOp]) -> None:
+        block_ids = [b for op in ops for b in op.block_ids]
+        ok, first = self._reserve(ops, len(block_ids))
+        if not ok:
+            return
+        calls = [self._store.get(b) for b in self._region.batches(ops, first)]
+        load = _LayerwiseLoad(ops, block_ids, first, calls)
+        if self._region.stager is not None:
+            # Scatters wait only for what was queued before this step, not for the layers
+            # before them: the blocks they fill are not read earlier in the forward.
+            load.scattered = self._region.stager.ops.compute_mark()
+        self._lw = load
+
+    def wait_for_layer(self, layer_name: str) -> bool:
+        """Wait for (staged: and scatter) the group of ``layer_name`` when it is the
+        group's first layer; whether it waited."""
+        load = self._lw
+        g = self._region.group_of.get(layer_name)
+        if load is None or g is None or len(load.statuses) > g:
+            return False
+        while len(load.statuses) <= g:
+            self._finish_group(load)
+        if len(load.statuses) == len(self._region.parts):
+            load.on_time = True
+        return True
+
+    def _finish_group(self, load: _LayerwiseLoad, *, scatter: bool = True) -> None:
+        """Wait for the next group's call; staged: scatter the blocks it loaded into
+        that group's layers (queued on the side stream, the compute stream waits)."""
+        g = len(load.statuses)
+        try:
+            statuses = load.calls[g].result(self._timeout_s)
+        except KVRayError as exc:
+            logger.warning(
+                "rank %d: load of layer group %d (%d blocks) failed: %s",
+                self._rank,
+                g,
+                load.n,
+                exc,
+            )
+            statuses = [KeyStatus.ERROR] * load.n
+            load.failed_call = True
+        load.statuses.append(statuses)
+        stager = self._region.stager
+        if scatter and load.first is not None and not load.failed_call:
+            assert stager is not None
+            rows = [i for i, st in enumerate(statuses) if st is KeyStatus.OK]
+            part = self._region.parts[g]
+            if rows:
+                done = stager.scatter(
+                    [load.block_ids[i] for i in rows],
+                    load.first,
+                    rows,
+                    (part.lo, part.hi),
+                    after=load.scattered,
+                    wait=False,
+                )
+                load.scattered = done if done is not None else load.scattered
+
+    def finish_layerwise(self) -> None:
+        """After the forward: account the step's layer-wise loads and free their staging.
+        Groups the forward did not wait for are waited for here and reported failed."""
+        load = self._lw
+        if load is None:
+            return
+        self._lw = None
+        while len(load.statuses) < len(self._region.parts):
+            self._finish_group(load, scatter=False)
+        statuses = all_ok(load.statuses)
+        if not load.on_time:
+            # The forward ran before these groups arrived: their blocks were not in the
+            # cache when it read them. Reported failed (vLLM recomputes), never used.
+            statuses = [KeyStatus.ERROR] * load.n
+            if not self._warned_late:
+                self._warned_late = True
+                logger.warning(
+                    "rank %d: the engine ran a forward without calling wait_for_layer_load "
+                    "for every layer (full CUDA graphs or a model without vLLM's attention "
+                    "hooks): the step's pool hits were recomputed; set use_layerwise to "
+                    "false for this engine",
+                    self._rank,
+                )
+        if load.first is not None:
+            assert self._slots is not None
+            if load.scattered is not None:
+                load.scattered.synchronize()  # queued copies read the slots
+            if load.failed_call:
+                # A call that failed may still write these slots: held until it ended.
+                self._slots.hold(load.calls, load.first, load.n)
+            else:
+                self._slots.stager.release(load.first, load.n)
+        self._account(load.ops, statuses)

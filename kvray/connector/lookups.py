@@ -1,0 +1,117 @@
+"""Scheduler side: the pool lookups in flight, one per request, polled without blocking a
+step.
+
+A lookup is one call to this node's Lookup actor: how many leading blocks (from a
+request's first block not in vLLM's own prefix cache) the pool holds for every rank of
+the instance. The scheduler polls it each step; one not answered within
+``lookup_timeout_ms`` (plus any PD wait) is cancelled and counted as a miss
+(``lookup_timeout``), one that failed too (``lookup_error``): a slow or broken pool costs
+hits, never a stalled engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvray.errors import KVRayError
+from kvray.lookup import Answer
+
+if TYPE_CHECKING:
+    from kvray.connector.calls import Waits
+    from kvray.connector.stats import KVRayConnectorStats
+    from kvray.keys import KeySpace
+    from kvray.remote import Call, LookupHandle
+
+Warn = Callable[..., None]
+"""``warn(kind, msg, *args)``: log once per kind, count the rest."""
+
+
+@dataclass
+class PendingLookup:
+    call: Call[Answer]
+    started: float
+    first_block: int
+    """The lookup counts leading hits from this block on."""
+    timeout_s: float
+    """When the answer is overdue (the lookup timeout, plus any PD wait)."""
+    want: int = 0
+    """Leading blocks (from ``first_block``) a prefill reported stored; 0: none."""
+    timed_out: bool = False
+    """Answered by the scheduler itself: the lookup was overdue (and was cancelled)."""
+
+
+class Lookups:
+    """The instance's lookups in flight, by request id."""
+
+    def __init__(
+        self,
+        handle: LookupHandle,
+        waits: Waits,
+        space: KeySpace,
+        timeout_s: float,
+        stats: KVRayConnectorStats,
+        warn: Warn,
+    ) -> None:
+        self._handle = handle
+        self._waits = waits
+        self._space = space
+        self.timeout_s = timeout_s
+        self._stats = stats
+        self._warn = warn
+        self._pending: dict[str, PendingLookup] = {}
+
+    def warm_up(self) -> None:
+        """The first call from a new process sets up Ray's connection to the actor (often
+        longer than a lookup timeout): paid here, not as a miss on the first request."""
+        self._handle.lookup(self._space, [], self.timeout_s).result(60)
+
+    def start(
+        self, req_id: str, hashes: Sequence[bytes], first_block: int, want: int, wait_s: float
+    ) -> PendingLookup:
+        """Look up ``hashes`` (the request's, from ``first_block`` on); with ``want``, wait
+        up to ``wait_s`` in the Lookup actor for that many leading blocks (PD)."""
+        if want:
+            self._stats.add("pd_waits")
+        call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s)
+        pending = PendingLookup(call, time.monotonic(), first_block, self.timeout_s + wait_s, want)
+        self._pending[req_id] = pending
+        return pending
+
+    def get(self, req_id: str) -> PendingLookup | None:
+        return self._pending.get(req_id)
+
+    def drop(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def poll(self, req_id: str, pending: PendingLookup, *, wait: bool) -> Answer | None:
+        """The answer of ``pending``, or None: not yet, ask again next step. ``wait``: the
+        engine is idle, so wait for it (up to its timeout) instead of spinning empty
+        steps. Overdue: cancelled, answered as a ``lookup_timeout`` miss (and
+        ``pending.timed_out``); failed: a ``lookup_error`` miss."""
+        remaining = max(0.0, pending.timeout_s - (time.monotonic() - pending.started))
+        (done,) = self._waits.ready([pending.call], remaining if wait else 0)
+        if not done:
+            if time.monotonic() - pending.started < pending.timeout_s:
+                return None
+            pending.timed_out = True
+            del self._pending[req_id]
+            pending.call.cancel()
+            self._stats.add("lookup_misses_timeout")
+            self._warn(
+                "timeout",
+                "pool lookup slower than %.0f ms: counted as a miss",
+                self.timeout_s * 1e3,
+            )
+            return Answer(0, "lookup_timeout")
+        del self._pending[req_id]
+        try:
+            answer: Answer = pending.call.result(None)
+        except KVRayError as exc:
+            self._stats.add("lookup_errors")
+            self._warn("error", "pool lookup failed (%s): counted as a miss", exc)
+            pending.want = 0
+            return Answer(0, "lookup_error")
+        return answer

@@ -1,0 +1,96 @@
+"""Scheduler side: what is tracked per request, from admission to finish, and the saves
+each step's metadata asks of the workers (prompt blocks the step completes that the pool
+does not hold yet)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvray.connector.metadata import BlockOp
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+def hash_bytes(h: Any) -> bytes:
+    """vLLM's block hashes are bytes (sha256); non-crypto algorithms give ints."""
+    return h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True)
+
+
+@dataclass
+class RequestState:
+    """One admitted request."""
+
+    request: Request
+    local_blocks: int
+    """Leading blocks vLLM's own prefix cache had."""
+    pool_blocks: int = 0
+    """Leading blocks after those that the pool had (and that get loaded)."""
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0
+    """First block not yet stored (or known to be in the pool)."""
+    computed_tokens: int = 0
+    saves_issued: bool = False
+    saved_blocks: int = 0
+    load_failed_blocks: int = 0
+    earlier: tuple[int, int, int] = (0, 0, 0)
+    """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
+    load or a preemption sends it through lookup again)."""
+
+    def totals(self) -> tuple[int, int, int]:
+        hit, loaded, failed = self.earlier
+        return (
+            max(hit, self.pool_blocks),
+            loaded + self.pool_blocks - self.load_failed_blocks,
+            failed + self.load_failed_blocks,
+        )
+
+
+def track_scheduled(reqs: dict[str, RequestState], output: SchedulerOutput) -> None:
+    """The blocks and computed tokens of the requests ``output`` schedules."""
+    scheduled = output.num_scheduled_tokens
+    for new in output.scheduled_new_reqs:
+        st = reqs.get(new.req_id)
+        if st is not None:
+            st.block_ids = list(new.block_ids[0])
+            st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+    cached = output.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        st = reqs.get(rid)
+        if st is None:
+            continue
+        new_ids = cached.new_block_ids[i]
+        if rid in cached.resumed_req_ids and new_ids is not None:
+            st.block_ids = list(new_ids[0])
+        elif new_ids is not None:
+            st.block_ids.extend(new_ids[0])
+        st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+
+
+def plan_saves(
+    reqs: dict[str, RequestState], scheduled: dict[str, int], block_size: int
+) -> list[BlockOp]:
+    """Prompt blocks completed by this step and not yet in the pool."""
+    saves = []
+    for rid in scheduled:
+        st = reqs.get(rid)
+        if st is None:
+            continue
+        req = st.request
+        full = min(st.computed_tokens, req.num_prompt_tokens) // block_size
+        full = min(full, len(req.block_hashes), len(st.block_ids))
+        if full <= st.next_save:
+            continue
+        saves.append(
+            BlockOp(
+                rid,
+                tuple(hash_bytes(h) for h in req.block_hashes[st.next_save : full]),
+                tuple(st.block_ids[st.next_save : full]),
+            )
+        )
+        st.saved_blocks += full - st.next_save
+        st.next_save = full
+        st.saves_issued = True
+    return saves

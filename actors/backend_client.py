@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from kvray.backends import KeyStatus, make_backend
+from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.keys import probe_hash
 from kvray.launcher import ManagerLink, on_this_node
@@ -38,10 +39,7 @@ class BackendClientActor:
         logging.basicConfig(level=logging.INFO)
         normal_priority("BackendClient actor")
         config = on_this_node(PoolConfig.model_validate_json(config_json))
-        mc = config.mooncake
-        if mc.enable_client_http_server:  # one port per client of the node
-            mooncake = mc.model_copy(update={"client_http_port": mc.client_http_port + rank})
-            config = config.model_copy(update={"mooncake": mooncake})
+        config = spec_of(config.backend).for_rank(config, rank)
         # Pipeline "<backend>|ssd": the SSD offload actor of the same node and slot is
         # the lower tier (the manager makes it first and hands it over).
         assert (ssd is not None) == config.ssd_tier, "an SSD actor exactly with an ssd tier"

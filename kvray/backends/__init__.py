@@ -17,7 +17,7 @@ def make_backend(
     ``config.checksum`` (host memory only)."""
     spec = spec_of(config.backend)
     backend = spec.make_client(config, server_address, contribute_memory)
-    if config.checksum and not spec.device_memory(config):
+    if config.checksum and spec.device_setting(config) is None:
         from kvray.backends.checksum import ChecksummedBackend
 
         return ChecksummedBackend(backend, threads=min(config.io_threads, 4))

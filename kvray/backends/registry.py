@@ -45,6 +45,26 @@ def _same(config: PoolConfig, node_ip: str) -> PoolConfig:
     return config
 
 
+def _same_rank(config: PoolConfig, rank: int) -> PoolConfig:
+    return config
+
+
+def _host_memory(config: PoolConfig) -> DeviceSetting | None:
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceSetting:
+    """The setting that makes a backend's clients move device memory."""
+
+    field: str
+    """Its dotted config field (``yuanrong.device``)."""
+    value: str
+    """The value it has (``npu``)."""
+    host_value: str
+    """The value for host memory, the fix where device memory cannot be served."""
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What kvray needs to know of one backend."""
@@ -76,8 +96,11 @@ class BackendSpec:
     """kvray's values for those knobs in the pool's actors (the engine's override them)."""
     client_env: Callable[[PoolConfig], dict[str, str]] = lambda config: {}
     """Knobs the pool config sets for the actors (they override the engine's)."""
-    device_memory: Callable[[PoolConfig], bool] = _never
-    """Its clients move device memory (no checksum trailers, no host shared memory)."""
+    device_setting: Callable[[PoolConfig], DeviceSetting | None] = _host_memory
+    """Set when its clients move device memory (no checksum trailers, no host shared
+    memory): the setting that makes them."""
+    for_rank: Callable[[PoolConfig, int], PoolConfig] = _same_rank
+    """``(config, slot)``: the config the client of that slot runs with."""
     on_node: Callable[[PoolConfig, str], PoolConfig] = _same
     """``(config, node_ip)``: the config a client on that node runs with."""
     per_node_server: Callable[[PoolConfig], bool] = _never
@@ -117,6 +140,15 @@ def _mooncake_client(config: PoolConfig, address: str, contribute_memory: bool) 
     )
 
 
+def _mooncake_for_rank(config: PoolConfig, rank: int) -> PoolConfig:
+    mc = config.mooncake
+    if not mc.enable_client_http_server:
+        return config
+    # One client HTTP port per client of the node.
+    mooncake = mc.model_copy(update={"client_http_port": mc.client_http_port + rank})
+    return config.model_copy(update={"mooncake": mooncake})
+
+
 def _mooncake_master(config: PoolConfig) -> MooncakeMaster:
     log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
     master = config.master
@@ -153,6 +185,7 @@ MOONCAKE = BackendSpec(
     make_client=_mooncake_client,
     server_address=lambda c: c.mooncake.master_server_address,
     make_server=_mooncake_master,
+    for_rank=_mooncake_for_rank,
     reachability=lambda c: (
         [("mooncake.master_server_address", c.mooncake.master_server_address)]
         if c.mooncake.master_server_address
@@ -220,7 +253,9 @@ YUANRONG = BackendSpec(
     server_address=lambda c: c.yuanrong.worker_address,
     make_server=lambda c: DatasystemWorker(c.datasystem, name=c.name),
     reachability=_yuanrong_reachability,
-    device_memory=lambda c: c.yuanrong.device == "npu",
+    device_setting=lambda c: (
+        DeviceSetting("yuanrong.device", "npu", "host") if c.yuanrong.device == "npu" else None
+    ),
     on_node=_yuanrong_on_node,
     per_node_server=lambda c: bool(c.yuanrong.node_worker_addresses),
     node_local_fix=(
@@ -265,7 +300,11 @@ MEMCACHE = BackendSpec(
         if c.memcache.meta_service_url
         else []
     ),
-    device_memory=lambda c: c.memcache.region == "device",
+    device_setting=lambda c: (
+        DeviceSetting("memcache.region", "device", "host")
+        if c.memcache.region == "device"
+        else None
+    ),
     node_cleanup=_memcache_cleanup,
 )
 

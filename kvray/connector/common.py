@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvray import ucm
+from kvray.backends.registry import spec_of
 from kvray.config import ConnectorConfig, PoolConfig, validate
 from kvray.errors import ConfigError, PoolNotFoundError
 from kvray.keys import KeySpace, KVLayout
@@ -140,17 +141,13 @@ def check_host_transfers(pool: PoolConfig) -> None:
     """The connector hands the pool's clients host shared memory in both placements (on
     a GPU or NPU the staged placement copies blocks to and from it), so a pool whose
     clients move device memory cannot serve it: refused here, naming the setting."""
-    if pool.backend == "yuanrong" and pool.yuanrong.device == "npu":
+    device = spec_of(pool.backend).device_setting(pool)
+    if device is not None:
         raise ConfigError(
-            f"kvray pool {pool.name!r} runs yuanrong.device 'npu' (its clients move NPU "
-            "memory), but KVRayConnector moves KV blocks through host shared memory (NPU "
-            "engines via kv_placement 'staged'): start the pool with yuanrong.device 'host'"
-        )
-    if pool.backend == "memcache" and pool.memcache.region == "device":
-        raise ConfigError(
-            f"kvray pool {pool.name!r} runs memcache.region 'device' (its clients move NPU "
-            "memory), but KVRayConnector moves KV blocks through host shared memory (NPU "
-            "engines via kv_placement 'staged'): start the pool with memcache.region 'host'"
+            f"kvray pool {pool.name!r} runs {device.field} {device.value!r} (its clients "
+            "move NPU memory), but KVRayConnector moves KV blocks through host shared memory "
+            f"(NPU engines via kv_placement 'staged'): start the pool with {device.field} "
+            f"{device.host_value!r}"
         )
 
 

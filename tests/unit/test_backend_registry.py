@@ -93,7 +93,17 @@ def test_what_the_embedded_server_chose_reaches_the_client_section():
 
 def test_device_memory_and_environment():
     npu = PoolConfig.from_dict({"backend": "yuanrong", "yuanrong": {"device": "npu"}}, environ={})
-    assert spec_of("yuanrong").device_memory(npu)
-    assert not spec_of("mooncake").device_memory(PoolConfig.from_dict({}, environ={}))
+    device = spec_of("yuanrong").device_setting(npu)
+    assert device is not None and (device.field, device.host_value) == ("yuanrong.device", "host")
+    assert spec_of("mooncake").device_setting(PoolConfig.from_dict({}, environ={})) is None
+
+
+def test_each_mooncake_client_of_a_node_gets_its_own_http_port():
+    mc = {"enable_client_http_server": True, "client_http_port": 19300}
+    cfg = PoolConfig.from_dict({"mooncake": mc}, environ={})
+    ports = [spec_of("mooncake").for_rank(cfg, r).mooncake.client_http_port for r in (0, 3)]
+    assert ports == [19300, 19303]
+    plain = PoolConfig.from_dict({}, environ={})
+    assert spec_of("mooncake").for_rank(plain, 3) is plain
     assert "MC_" in FORWARD_PREFIXES and "ASCEND_" in FORWARD_PREFIXES
     assert {"ASCEND_ENABLE_USE_FABRIC_MEM", "DS_WORKER_ADDR"} <= NOT_FORWARDED

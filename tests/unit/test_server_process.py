@@ -5,6 +5,7 @@ log."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from kvray.errors import BackendUnavailableError
 from kvray.servers.process import ServerProcess, free_port, why_unreachable
+from kvray.servers.supervisor import Supervisor
 
 _SERVE = """
 import socket, sys, time
@@ -112,3 +114,47 @@ def test_a_refusal_is_raised_without_retrying(tmp_path):
     with pytest.raises(BackendUnavailableError, match="one per host"):
         server.start(attempts=3)
     assert server.launches == 1 and not (tmp_path / "home").exists()
+
+
+async def _until(condition, timeout_s: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_the_supervisor_restarts_a_dead_server_on_its_address(tmp_path):
+    server = TinyServer(tmp_path / "home")
+    address = server.start()
+    supervisor = Supervisor(server, "p", every_s=0.05)
+    task = asyncio.create_task(supervisor.run())
+    try:
+        for n in (1, 2):
+            pid = server.pid
+            server.kill()
+            await _until(lambda n=n: supervisor.restarts == n and server.alive())
+            assert server.address == address and server.pid != pid
+    finally:
+        supervisor.stop()
+        await asyncio.wait_for(task, 5)
+        server.stop()
+
+
+async def test_the_supervisor_backs_off_while_restarts_fail_and_stops_on_request(tmp_path):
+    server = TinyServer(tmp_path / "home")
+    server.start()
+    supervisor = Supervisor(server, "p", every_s=0.05, backoff_max_s=0.2)
+    good, server._serve = server._serve, "raise SystemExit(3)"  # every restart now fails
+    server.kill()
+    launches = server.launches
+    task = asyncio.create_task(supervisor.run())
+    await _until(lambda: server.launches >= launches + 3)
+    assert supervisor.restarts == 0  # failed restarts are not counted as restarts
+    server._serve = good
+    await _until(lambda: supervisor.restarts == 1 and server.alive())
+    supervisor.stop()
+    await asyncio.wait_for(task, 5)
+    server.kill()
+    await asyncio.sleep(0.3)  # six check periods: a running supervisor would restart it
+    assert supervisor.restarts == 1 and not server.alive()
+    server.stop()

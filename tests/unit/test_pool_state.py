@@ -1,0 +1,63 @@
+"""What the pool manager remembers (kvray.pool_state), without Ray: node actors and
+forgetting dead nodes, geometry claims, hash fingerprints, the ledger's updates."""
+
+from __future__ import annotations
+
+from kvray.launcher import NodeActors
+from kvray.ledger import Seen
+from kvray.pool_state import PoolState
+from kvray.remote import LookupHandle, StoreHandle
+
+
+def _state() -> PoolState:
+    state = PoolState("p")
+    for node in ("a", "b"):
+        for slot in (1, 0):
+            ssd = StoreHandle(f"ssd-{node}{slot}", "ssd") if node == "a" else None
+            state.nodes[(node, slot)] = NodeActors(
+                node, slot, StoreHandle(f"{node}{slot}", "c"), ssd
+            )
+        state.lookups[node] = LookupHandle(f"lookup-{node}", "l")
+    return state
+
+
+def test_node_actors_are_listed_by_node_then_slot_and_all_are_closed():
+    state = _state()
+    assert [(a.node_id, a.slot) for a in state.sorted_nodes()] == [
+        ("a", 0), ("a", 1), ("b", 0), ("b", 1),
+    ]  # fmt: skip
+    names = sorted(str(h.actor) for h in state.all_actors())
+    assert names == ["a0", "a1", "b0", "b1", "lookup-a", "lookup-b", "ssd-a0", "ssd-a1"]
+
+
+def test_a_dead_node_is_forgotten_only_after_the_grace_period():
+    state = _state()
+    assert state.forget_gone({"a", "b"}, after_s=300, now=0) == []
+    assert state.forget_gone({"a"}, after_s=300, now=10) == []  # b gone since 10
+    assert state.forget_gone({"a"}, after_s=300, now=309) == []
+    assert state.forget_gone({"a", "b"}, after_s=300, now=350) == []  # b is back: reset
+    assert state.forget_gone({"a"}, after_s=300, now=400) == []
+    assert state.forget_gone({"a"}, after_s=300, now=700) == ["b"]
+    assert {k[0] for k in state.nodes} == {"a"} and set(state.lookups) == {"a"}
+
+
+def test_the_first_geometry_claim_stands():
+    state = PoolState("p")
+    assert state.claim_geometry("m@l", "p4x16x128") == "p4x16x128"
+    assert state.claim_geometry("m@l", "p16x4x64") == "p4x16x128"
+    assert state.claim_geometry("m@other", "p16x4x64") == "p16x4x64"
+
+
+def test_fingerprints_answer_the_other_hash_domains_and_mark_mixed_keys():
+    state = PoolState("p")
+    fp = {"hash_domain": "sha256:seed1", "algorithm": "sha256"}
+    assert state.register_fingerprint("m@l", fp) == []
+    assert state.register_fingerprint("m@l", fp) == []
+    other = {"hash_domain": "builtin:seed2", "algorithm": "builtin"}
+    answer = state.register_fingerprint("m@l", other)
+    assert [(a["hash_domain"], a["instances"]) for a in answer] == [("sha256:seed1", 2)]
+    state.register_fingerprint("m@alone", fp)
+    state.ledger.record([(1, int(Seen.STORED), 0.0), (2, int(Seen.REMOVED), 0.0)])
+    seq, entries, full, mixed = state.ledger_since(0)
+    assert (len(entries), mixed) == (2, ["m@l"]) and seq > 0
+    assert state.ledger_since(seq)[1] == []

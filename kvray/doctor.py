@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvray.backends.registry import spec_of
-from kvray.config import GiB, PoolConfig
+from kvray.config import GiB, MooncakePoolConfig, PoolConfig, YuanrongPoolConfig, as_backend
 from kvray.sizes import format_size
 
 Level = Literal["error", "warning", "ok"]
@@ -98,8 +98,9 @@ def check_pool(
     return out
 
 
-def mooncake_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
+def mooncake_checks(pool: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
     """The ``mooncake`` backend's traps."""
+    cfg = as_backend(pool, MooncakePoolConfig)
     return [
         *_fabric(cfg, env),
         *_ssd_offload_ttl(cfg),
@@ -110,12 +111,12 @@ def mooncake_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list
     ]
 
 
-def yuanrong_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
+def yuanrong_checks(pool: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
     """The ``yuanrong`` backend's traps."""
-    return _worker_vs_shm(cfg, host)
+    return _worker_vs_shm(as_backend(pool, YuanrongPoolConfig), host)
 
 
-def _fabric(cfg: PoolConfig, env: Mapping[str, str]) -> list[Finding]:
+def _fabric(cfg: MooncakePoolConfig, env: Mapping[str, str]) -> list[Finding]:
     mc = cfg.mooncake
     if not (mc.fabric_mem or env.get("ASCEND_ENABLE_USE_FABRIC_MEM") == "1"):
         return []
@@ -151,7 +152,7 @@ def _fabric(cfg: PoolConfig, env: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-def _ssd_offload_ttl(cfg: PoolConfig) -> list[Finding]:
+def _ssd_offload_ttl(cfg: MooncakePoolConfig) -> list[Finding]:
     if not cfg.mooncake.enable_ssd_offload:
         return []
     if cfg.mooncake.master_server_address is not None:
@@ -181,7 +182,7 @@ def _ssd_offload_ttl(cfg: PoolConfig) -> list[Finding]:
     return [Finding("ok", "client_ttl with SSD offload", f"master.client_ttl_s is {ttl} s")]
 
 
-def _ascend_timeouts(cfg: PoolConfig, env: Mapping[str, str]) -> list[Finding]:
+def _ascend_timeouts(cfg: MooncakePoolConfig, env: Mapping[str, str]) -> list[Finding]:
     connect = _ms(env, "ASCEND_CONNECT_TIMEOUT")
     transfer = _ms(env, "ASCEND_TRANSFER_TIMEOUT")
     out = []
@@ -222,7 +223,7 @@ def _ascend_timeouts(cfg: PoolConfig, env: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-def _protocol(cfg: PoolConfig, host: Host) -> list[Finding]:
+def _protocol(cfg: MooncakePoolConfig, host: Host) -> list[Finding]:
     proto = cfg.mooncake.protocol
     if proto == "ascend" and not host.npu:
         return [
@@ -260,7 +261,7 @@ def _protocol(cfg: PoolConfig, host: Host) -> list[Finding]:
     return [Finding("ok", "protocol vs hardware", f"{proto} fits this host")]
 
 
-def _memlock(cfg: PoolConfig, host: Host) -> list[Finding]:
+def _memlock(cfg: MooncakePoolConfig, host: Host) -> list[Finding]:
     if cfg.mooncake.protocol not in ("rdma", "ascend") or host.memlock_limit is None:
         return []
     need = cfg.mooncake.global_segment_size + cfg.mooncake.local_buffer_size
@@ -279,7 +280,7 @@ def _memlock(cfg: PoolConfig, host: Host) -> list[Finding]:
     ]
 
 
-def _segments_vs_memory(cfg: PoolConfig, host: Host) -> list[Finding]:
+def _segments_vs_memory(cfg: MooncakePoolConfig, host: Host) -> list[Finding]:
     if host.mem_available is None:
         return []
     per_client = cfg.mooncake.global_segment_size + cfg.mooncake.local_buffer_size
@@ -307,7 +308,7 @@ def _segments_vs_memory(cfg: PoolConfig, host: Host) -> list[Finding]:
     ]
 
 
-def _worker_vs_shm(cfg: PoolConfig, host: Host) -> list[Finding]:
+def _worker_vs_shm(cfg: YuanrongPoolConfig, host: Host) -> list[Finding]:
     if cfg.yuanrong.worker_address is not None or host.dev_shm_free is None:
         return []
     need = cfg.datasystem.shared_memory_size

@@ -333,6 +333,10 @@ def keep(
     if pool_config:
         base = PoolConfig.from_file(pool_config)
         spec = {**base.model_dump(), "name": name, "namespace": namespace}
+        if (overrides or {}).get("backend", base.backend) != base.backend:
+            # UCM's store_pipeline names another backend than the file: the file's
+            # backend sections are not that backend's; its common fields still apply.
+            spec = {k: v for k, v in spec.items() if k in PoolConfig.model_fields}
         source = pool_config
     else:
         spec = {"name": name, "namespace": namespace, "world_size": world_size}

@@ -205,6 +205,11 @@ def _connector_keys(conf: dict[str, Any], out: UcmSettings) -> None:
             f"{src}: store_pipeline {raw!r} with Mooncake keys ({', '.join(mooncake)}): "
             "drop them or use store_pipeline 'Mooncake|Posix'"
         )
+    if pipeline.backend == "mooncake" and yuanrong:
+        raise ConfigError(
+            f"{src}: store_pipeline {raw!r} with YuanRong keys ({', '.join(yuanrong)}): "
+            "drop them or use store_pipeline 'YuanRong'"
+        )
     for name, section in (("mooncake", mooncake), ("ssd", ssd), ("yuanrong", yuanrong)):
         if section:
             pool[name] = section

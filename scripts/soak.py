@@ -245,10 +245,12 @@ class Faults:
     def pool_full(self) -> str:
         import numpy as np
 
+        from kvray.config import MooncakePoolConfig, as_backend
         from kvray.errors import PoolFullError
 
         chunk = np.zeros(1 << 20, np.uint8)
-        n = int(self.pool.config.mooncake.global_segment_size) >> 20
+        config = as_backend(self.pool.config, MooncakePoolConfig)  # soak runs on mooncake
+        n = int(config.mooncake.global_segment_size) >> 20
         keys = [f"soak-fill-{time.monotonic_ns()}-{i}" for i in range(n)]
         stored = 0
         try:

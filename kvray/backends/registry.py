@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, get_args
 
-from kvray.config import BackendName, PoolConfig
+from kvray.config import (
+    BackendName,
+    MemcachePoolConfig,
+    MooncakePoolConfig,
+    PoolConfig,
+    YuanrongPoolConfig,
+    as_backend,
+)
 from kvray.servers.datasystem import DatasystemWorker
 from kvray.servers.mmc_meta import MetaService
 from kvray.servers.mooncake_master import MooncakeMaster
@@ -31,6 +38,18 @@ if TYPE_CHECKING:
     from kvray.doctor import Finding, Host
 
 DoctorChecks = Callable[[PoolConfig, Mapping[str, str], "Host"], "list[Finding]"]
+
+
+def _mc(config: PoolConfig) -> MooncakePoolConfig:
+    return as_backend(config, MooncakePoolConfig)
+
+
+def _yr(config: PoolConfig) -> YuanrongPoolConfig:
+    return as_backend(config, YuanrongPoolConfig)
+
+
+def _mmc(config: PoolConfig) -> MemcachePoolConfig:
+    return as_backend(config, MemcachePoolConfig)
 
 
 def _no_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
@@ -131,6 +150,7 @@ def with_client_settings(config: PoolConfig, settings: Mapping[str, Any]) -> Poo
 def _mooncake_client(config: PoolConfig, address: str, contribute_memory: bool) -> Backend:
     from kvray.backends.mooncake import MooncakeBackend
 
+    config = _mc(config)
     return MooncakeBackend(
         config.mooncake,
         address,
@@ -141,7 +161,7 @@ def _mooncake_client(config: PoolConfig, address: str, contribute_memory: bool) 
 
 
 def _mooncake_for_rank(config: PoolConfig, rank: int) -> PoolConfig:
-    mc = config.mooncake
+    mc = _mc(config).mooncake
     if not mc.enable_client_http_server:
         return config
     # One client HTTP port per client of the node.
@@ -149,7 +169,8 @@ def _mooncake_for_rank(config: PoolConfig, rank: int) -> PoolConfig:
     return config.model_copy(update={"mooncake": mooncake})
 
 
-def _mooncake_master(config: PoolConfig) -> MooncakeMaster:
+def _mooncake_master(pool: PoolConfig) -> MooncakeMaster:
+    config = _mc(pool)
     log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
     master = config.master
     if config.mooncake.enable_ssd_offload and not master.enable_offload:
@@ -159,9 +180,10 @@ def _mooncake_master(config: PoolConfig) -> MooncakeMaster:
 
 def _mooncake_on_node(config: PoolConfig, node_ip: str) -> PoolConfig:
     # A client advertises the address Ray knows its node by.
-    if config.mooncake.local_hostname is not None:
+    mc = _mc(config).mooncake
+    if mc.local_hostname is not None:
         return config
-    mooncake = config.mooncake.model_copy(update={"local_hostname": node_ip})
+    mooncake = mc.model_copy(update={"local_hostname": node_ip})
     return config.model_copy(update={"mooncake": mooncake})
 
 
@@ -169,6 +191,11 @@ def _mooncake_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> lis
     from kvray.doctor import mooncake_checks
 
     return mooncake_checks(cfg, env, host)
+
+
+def _mooncake_reachability(config: PoolConfig) -> list[tuple[str, str]]:
+    address = _mc(config).mooncake.master_server_address
+    return [("mooncake.master_server_address", address)] if address else []
 
 
 MOONCAKE = BackendSpec(
@@ -183,19 +210,15 @@ MOONCAKE = BackendSpec(
         "ASCEND_ENABLE_USE_FABRIC_MEM",
     ),
     make_client=_mooncake_client,
-    server_address=lambda c: c.mooncake.master_server_address,
+    server_address=lambda c: _mc(c).mooncake.master_server_address,
     make_server=_mooncake_master,
     for_rank=_mooncake_for_rank,
-    reachability=lambda c: (
-        [("mooncake.master_server_address", c.mooncake.master_server_address)]
-        if c.mooncake.master_server_address
-        else []
-    ),
+    reachability=_mooncake_reachability,
     # Mooncake's transfer engine and store client (MC_*), its SSD offload.
     forward_prefixes=("MC_", "MOONCAKE_OFFLOAD_"),
     # Fail a setup against an unreachable master in seconds, not ~90 s.
     client_env_defaults=MappingProxyType({"MC_STORE_CLIENT_SETUP_RETRIES": "1"}),
-    client_env=lambda c: c.mooncake.offload.env(),
+    client_env=lambda c: _mc(c).mooncake.offload.env(),
     on_node=_mooncake_on_node,
     doctor_checks=_mooncake_checks,
 )
@@ -207,33 +230,31 @@ MOONCAKE = BackendSpec(
 def _yuanrong_client(config: PoolConfig, address: str, contribute_memory: bool) -> Backend:
     # A datasystem client contributes no memory either way: the worker owns it. It
     # connects to its node's worker (set by on_node), else the pool's.
-    address = config.yuanrong.worker_address or address
-    if config.yuanrong.device == "npu":
+    yr = _yr(config).yuanrong
+    address = yr.worker_address or address
+    if yr.device == "npu":
         from kvray.backends.yuanrong_npu import YuanrongDeviceBackend
 
-        return YuanrongDeviceBackend(config.yuanrong, address, io_threads=config.io_threads)
+        return YuanrongDeviceBackend(yr, address, io_threads=config.io_threads)
     from kvray.backends.yuanrong import YuanrongBackend
 
-    return YuanrongBackend(config.yuanrong, address, io_threads=config.io_threads)
+    return YuanrongBackend(yr, address, io_threads=config.io_threads)
 
 
 def _yuanrong_on_node(config: PoolConfig, node_ip: str) -> PoolConfig:
-    if not config.yuanrong.node_worker_addresses:
+    yr = _yr(config).yuanrong
+    if not yr.node_worker_addresses:
         return config
-    worker = config.yuanrong.address_on(node_ip)  # ConfigError if that node has none
-    yuanrong = config.yuanrong.model_copy(update={"worker_address": worker})
+    worker = yr.address_on(node_ip)  # ConfigError if that node has none
+    yuanrong = yr.model_copy(update={"worker_address": worker})
     return config.model_copy(update={"yuanrong": yuanrong})
 
 
 def _yuanrong_reachability(c: PoolConfig) -> list[tuple[str, str]]:
-    out = (
-        [("yuanrong.worker_address", c.yuanrong.worker_address)]
-        if c.yuanrong.worker_address
-        else []
-    )
+    yr = _yr(c).yuanrong
+    out = [("yuanrong.worker_address", yr.worker_address)] if yr.worker_address else []
     return out + [
-        (f"yuanrong.node_worker_addresses[{ip}]", a)
-        for ip, a in c.yuanrong.node_worker_addresses.items()
+        (f"yuanrong.node_worker_addresses[{ip}]", a) for ip, a in yr.node_worker_addresses.items()
     ]
 
 
@@ -250,14 +271,14 @@ YUANRONG = BackendSpec(
     env_sections=("yuanrong",),
     config_vars=("DS_WORKER_ADDR",),
     make_client=_yuanrong_client,
-    server_address=lambda c: c.yuanrong.worker_address,
-    make_server=lambda c: DatasystemWorker(c.datasystem, name=c.name),
+    server_address=lambda c: _yr(c).yuanrong.worker_address,
+    make_server=lambda c: DatasystemWorker(_yr(c).datasystem, name=c.name),
     reachability=_yuanrong_reachability,
     device_setting=lambda c: (
-        DeviceSetting("yuanrong.device", "npu", "host") if c.yuanrong.device == "npu" else None
+        DeviceSetting("yuanrong.device", "npu", "host") if _yr(c).yuanrong.device == "npu" else None
     ),
     on_node=_yuanrong_on_node,
-    per_node_server=lambda c: bool(c.yuanrong.node_worker_addresses),
+    per_node_server=lambda c: bool(_yr(c).yuanrong.node_worker_addresses),
     node_local_fix=(
         "run a worker per node (scripts/datasystem_cluster.py) and set "
         "yuanrong.worker_address and node_worker_addresses, or keep engines on the "
@@ -276,7 +297,7 @@ def _memcache_client(config: PoolConfig, address: str, contribute_memory: bool) 
     from kvray.backends.memcache import MemcacheBackend
 
     return MemcacheBackend(
-        config.memcache, contribute_memory=contribute_memory, io_threads=config.io_threads
+        _mmc(config).memcache, contribute_memory=contribute_memory, io_threads=config.io_threads
     )
 
 
@@ -286,6 +307,11 @@ def _memcache_cleanup() -> list[str]:
     return remove_stale_local_confs()
 
 
+def _memcache_reachability(config: PoolConfig) -> list[tuple[str, str]]:
+    url = _mmc(config).memcache.meta_service_url
+    return [("memcache.meta_service_url", url.split("://", 1)[-1])] if url else []
+
+
 MEMCACHE = BackendSpec(
     name="memcache",
     server_name="MemCache MetaService",
@@ -293,16 +319,12 @@ MEMCACHE = BackendSpec(
     env_sections=("memcache", "memcache_meta"),
     config_vars=("MMC_LOCAL_CONFIG_PATH", "MMC_META_CONFIG_PATH"),
     make_client=_memcache_client,
-    server_address=lambda c: c.memcache.meta_service_url,
-    make_server=lambda c: MetaService(c.memcache_meta, name=c.name),
-    reachability=lambda c: (
-        [("memcache.meta_service_url", c.memcache.meta_service_url.split("://", 1)[-1])]
-        if c.memcache.meta_service_url
-        else []
-    ),
+    server_address=lambda c: _mmc(c).memcache.meta_service_url,
+    make_server=lambda c: MetaService(_mmc(c).memcache_meta, name=c.name),
+    reachability=_memcache_reachability,
     device_setting=lambda c: (
         DeviceSetting("memcache.region", "device", "host")
-        if c.memcache.region == "device"
+        if _mmc(c).memcache.region == "device"
         else None
     ),
     node_cleanup=_memcache_cleanup,

@@ -5,7 +5,8 @@ hour into serving; the error names the dotted field and the fields allowed there
 module per concern:
 
 - :mod:`~kvray.config.pool`: :class:`PoolConfig`, one pool: its name, ranks, backend
-  sections, tiers (:class:`Pipeline`) and embedded servers.
+  sections, tiers (:class:`Pipeline`) and embedded servers; one subclass per backend
+  (:class:`MooncakePoolConfig`, ...) holds only that backend's sections.
 - :mod:`~kvray.config.connector`: :class:`ConnectorConfig`, the
   ``kv_connector_extra_config`` keys, the same as AscendStoreConnector's, plus kvray's own.
 - :mod:`~kvray.config.mooncake`: :class:`MooncakeConfig`, the Mooncake client, loaded
@@ -52,11 +53,20 @@ from kvray.config.mooncake import (
     Protocol,
     detect_protocol,
 )
-from kvray.config.pool import Pipeline, PoolConfig
+from kvray.config.pool import (
+    POOL_CONFIGS,
+    MemcachePoolConfig,
+    MooncakePoolConfig,
+    Pipeline,
+    PoolConfig,
+    YuanrongPoolConfig,
+    as_backend,
+)
 from kvray.config.ssd import SsdConfig
 from kvray.config.yuanrong import DatasystemWorkerConfig, YuanrongConfig
 
 __all__ = [
+    "POOL_CONFIGS",
     "BackendName",
     "ByteSize",
     "ConnectorConfig",
@@ -68,12 +78,14 @@ __all__ = [
     "LogLevel",
     "MemcacheConfig",
     "MemcacheMetaConfig",
+    "MemcachePoolConfig",
     "MiB",
     "MmcProtocol",
     "MmcSize",
     "MooncakeConfig",
     "MooncakeMasterConfig",
     "MooncakeOffloadConfig",
+    "MooncakePoolConfig",
     "Pipeline",
     "PoolConfig",
     "Protocol",
@@ -81,6 +93,8 @@ __all__ = [
     "TcpUrl",
     "TiB",
     "YuanrongConfig",
+    "YuanrongPoolConfig",
+    "as_backend",
     "detect_mmc_protocol",
     "detect_protocol",
     "parse_host_port",

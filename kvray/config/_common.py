@@ -26,6 +26,12 @@ BackendName = Literal["mooncake", "yuanrong", "memcache"]
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
+    @classmethod
+    def misplaced(cls, field: str) -> str | None:
+        """Why ``field``, unknown here, belongs in another kind of config, with the fix
+        (:func:`validate` says it instead of "a typo?"); None: not known anywhere."""
+        return None
+
 
 def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
@@ -109,8 +115,10 @@ def validate(model: type[_M], data: Mapping[str, Any], *, source: str) -> _M:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 # The fields of the section the typo is in, not of the top-level model.
-                allowed = ", ".join(sorted(_model_at(model, err["loc"][:-1]).model_fields))
-                msg = f"unknown field (a typo?); allowed here: {allowed}"
+                at = _model_at(model, err["loc"][:-1])
+                misplaced = at.misplaced(str(err["loc"][-1])) if issubclass(at, _Strict) else None
+                allowed = ", ".join(sorted(at.model_fields))
+                msg = misplaced or f"unknown field (a typo?); allowed here: {allowed}"
             lines.append(f"  {loc}: {msg}")
         raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
 

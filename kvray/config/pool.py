@@ -1,13 +1,25 @@
-"""One pool: its name, ranks, backend sections, tiers and embedded servers."""
+"""One pool: its name, ranks, backend sections, tiers and embedded servers.
+
+:class:`PoolConfig` holds what every pool has; one subclass per backend adds that
+backend's sections (:class:`MooncakePoolConfig`, :class:`YuanrongPoolConfig`,
+:class:`MemcachePoolConfig`), chosen by ``backend`` when a config is parsed
+(:meth:`PoolConfig.from_dict`, :meth:`PoolConfig.model_validate_json`). Users write the
+same file either way; a section of another backend is refused, naming the fix.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast, get_args
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar, cast, get_args
 
 from pydantic import Field, PrivateAttr, model_validator
+from pydantic.config import ExtraValues
+from typing_extensions import Self
 
 from kvray.config._common import (
     BackendName,
@@ -47,7 +59,10 @@ class Pipeline:
 
 
 class PoolConfig(_Strict):
-    """One kvray pool: its actors, ranks, backend and embedded servers."""
+    """One kvray pool: its actors, ranks, backend and embedded servers. What every backend
+    shares; a config is always of the subclass its ``backend`` names, which adds that
+    backend's sections (parse with :meth:`from_dict`, :meth:`from_file` or
+    :meth:`model_validate_json`, which choose it)."""
 
     name: str = Field("kvray", pattern=_NAME_PATTERN)
     """Pool name; its actors are named ``<name>.manager``, ``<name>.client.<node>.<slot>``,
@@ -62,18 +77,6 @@ class PoolConfig(_Strict):
     ``0..world_size-1``), made on a node when a worker (or a Pool API call) there first
     uses it; the starting node's are made at start. At least the most engine workers
     any node runs (8 for TP8 on 8-card nodes); each client contributes its segment."""
-    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
-    """Mooncake client settings (``mooncake.json``)."""
-    master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
-    """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
-    yuanrong: YuanrongConfig = Field(default_factory=YuanrongConfig)
-    """openYuanrong datasystem client settings (``DS_*`` environment variables)."""
-    datasystem: DatasystemWorkerConfig = Field(default_factory=DatasystemWorkerConfig)
-    """The embedded datasystem worker (used only without a worker address)."""
-    memcache: MemcacheConfig = Field(default_factory=MemcacheConfig)
-    """MemCache client settings (``mmc-local.conf``)."""
-    memcache_meta: MemcacheMetaConfig = Field(default_factory=MemcacheMetaConfig)
-    """The embedded MemCache MetaService (used only without a meta_service_url)."""
     pipeline: str | None = None
     """Tiers, fastest first: ``"<backend>"`` (default) or ``"<backend>|ssd"`` (store to
     both, load from DRAM and fall back to SSD for misses, as UCM's ``Mooncake|Posix``)."""
@@ -150,23 +153,85 @@ class PoolConfig(_Strict):
         """Whether the pool chains kvray's SSD tier under its DRAM backend."""
         return self._tiers.ssd
 
-    @model_validator(mode="after")
-    def _memcache_ranks(self) -> PoolConfig:
-        if self.backend == "memcache" and self.world_size > self.memcache.world_size:
-            raise ValueError(
-                f"world_size {self.world_size} exceeds memcache.world_size "
-                f"{self.memcache.world_size} (ock.mmc.local_service.world_size): raise it"
-            )
-        return self
-
     @property
+    @abstractmethod
     def embedded_server(self) -> bool:
         """Whether kvray runs the backend's server itself (no address configured)."""
-        if self.backend == "memcache":
-            return self.memcache.meta_service_url is None
-        if self.backend == "yuanrong":
-            return self.yuanrong.worker_address is None
-        return self.mooncake.master_server_address is None
+
+    @classmethod
+    def misplaced(cls, field: str) -> str | None:
+        # Another backend's section: say whose, not "a typo?".
+        for backend, model in POOL_CONFIGS.items():
+            if field in model.model_fields and field not in cls.model_fields:
+                return (
+                    f"only for backend '{backend}' (this pool's backend is "
+                    f"'{cls.model_fields['backend'].default}'): remove the section or set "
+                    f"backend: {backend}"
+                )
+        return None
+
+    @classmethod
+    def model_for(cls, backend: object) -> type[PoolConfig] | None:
+        """The config class of ``backend`` (a config's ``backend`` value, "mooncake" when
+        absent); None when it names no backend."""
+        return POOL_CONFIGS.get(backend) if isinstance(backend, str) else None
+
+    @classmethod
+    def model_validate(
+        cls,
+        obj: Any,
+        *,
+        strict: bool | None = None,
+        extra: ExtraValues | None = None,
+        from_attributes: bool | None = None,
+        context: Any | None = None,
+        by_alias: bool | None = None,
+        by_name: bool | None = None,
+    ) -> Self:
+        """On :class:`PoolConfig`: the config of the subclass ``obj``'s ``backend`` names
+        (no environment read: :meth:`from_dict` for configs as users write them)."""
+        kw: dict[str, Any] = dict(
+            strict=strict,
+            extra=extra,
+            from_attributes=from_attributes,
+            context=context,
+            by_alias=by_alias,
+            by_name=by_name,
+        )
+        model = cls._chosen(obj)
+        if model is not None:
+            return cast(Self, model.model_validate(obj, **kw))
+        return super().model_validate(obj, **kw)
+
+    @classmethod
+    def model_validate_json(
+        cls,
+        json_data: str | bytes | bytearray,
+        *,
+        strict: bool | None = None,
+        extra: ExtraValues | None = None,
+        context: Any | None = None,
+        by_alias: bool | None = None,
+        by_name: bool | None = None,
+    ) -> Self:
+        """On :class:`PoolConfig`: the config of the subclass the JSON's ``backend`` names
+        (the form the pool's actors get, ``model_dump_json``)."""
+        kw: dict[str, Any] = dict(
+            strict=strict, extra=extra, context=context, by_alias=by_alias, by_name=by_name
+        )
+        model = cls._chosen(json.loads(json_data))
+        if model is not None:
+            return cast(Self, model.model_validate_json(json_data, **kw))
+        return super().model_validate_json(json_data, **kw)
+
+    @classmethod
+    def _chosen(cls, data: Any) -> type[PoolConfig] | None:
+        """The subclass to validate ``data`` with when asked of :class:`PoolConfig` itself;
+        None: validate as asked (a subclass, or no backend to choose one by, when pydantic
+        then names what is wrong)."""
+        if cls is not PoolConfig or not isinstance(data, Mapping):
+            return None
+        return cls.model_for(data.get("backend", "mooncake"))
 
     @classmethod
     def from_file(
@@ -190,14 +255,103 @@ class PoolConfig(_Strict):
         *,
         source: str = "pool config",
     ) -> PoolConfig:
+        """Validate ``data`` (a pool config as users write it) into the config of the
+        backend it names; without the backend's client section (and, for memcache, its
+        MetaService's) those come from the environment (``from_env``)."""
         data = dict(data or {})
-        if data.get("backend", "mooncake") == "mooncake" and "mooncake" not in data:
+        backend = data.get("backend", "mooncake")
+        model = PoolConfig.model_for(backend)
+        if model is None:
+            # No backend to choose the sections by: the common fields alone name the bad
+            # backend (and any other bad field); the sections are checked once it is fixed.
+            # Validation fails on ``backend``, before the abstract class could be made.
+            common = {k: v for k, v in data.items() if k not in _SECTIONS}
+            return validate(PoolConfig, common, source=source)  # type: ignore[type-abstract]
+        if backend == "mooncake" and "mooncake" not in data:
             data["mooncake"] = MooncakeConfig.from_env(environ)
-        if data.get("backend") == "yuanrong" and "yuanrong" not in data:
+        if backend == "yuanrong" and "yuanrong" not in data:
             data["yuanrong"] = YuanrongConfig.from_env(environ)
-        if data.get("backend") == "memcache":
+        if backend == "memcache":
             if "memcache" not in data:
                 data["memcache"] = MemcacheConfig.from_env(environ)
             if "memcache_meta" not in data:
                 data["memcache_meta"] = MemcacheMetaConfig.from_env(environ)
-        return validate(cls, data, source=source)
+        return validate(model, data, source=source)
+
+
+class MooncakePoolConfig(PoolConfig):
+    """A pool on Mooncake (``backend: mooncake``, the default)."""
+
+    backend: Literal["mooncake"] = "mooncake"
+    """Storage backend: Mooncake."""
+    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
+    """Mooncake client settings (``mooncake.json``)."""
+    master: MooncakeMasterConfig = Field(default_factory=MooncakeMasterConfig)
+    """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
+
+    @property
+    def embedded_server(self) -> bool:
+        return self.mooncake.master_server_address is None
+
+
+class YuanrongPoolConfig(PoolConfig):
+    """A pool on openYuanrong datasystem (``backend: yuanrong``)."""
+
+    backend: Literal["yuanrong"] = "yuanrong"
+    """Storage backend: openYuanrong datasystem."""
+    yuanrong: YuanrongConfig = Field(default_factory=YuanrongConfig)
+    """openYuanrong datasystem client settings (``DS_*`` environment variables)."""
+    datasystem: DatasystemWorkerConfig = Field(default_factory=DatasystemWorkerConfig)
+    """The embedded datasystem worker (used only without a worker address)."""
+
+    @property
+    def embedded_server(self) -> bool:
+        return self.yuanrong.worker_address is None
+
+
+class MemcachePoolConfig(PoolConfig):
+    """A pool on Huawei MemCache (``backend: memcache``)."""
+
+    backend: Literal["memcache"] = "memcache"
+    """Storage backend: Huawei MemCache (its data path needs the Ascend driver)."""
+    memcache: MemcacheConfig = Field(default_factory=MemcacheConfig)
+    """MemCache client settings (``mmc-local.conf``)."""
+    memcache_meta: MemcacheMetaConfig = Field(default_factory=MemcacheMetaConfig)
+    """The embedded MemCache MetaService (used only without a meta_service_url)."""
+
+    @model_validator(mode="after")
+    def _memcache_ranks(self) -> Self:
+        if self.world_size > self.memcache.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} exceeds memcache.world_size "
+                f"{self.memcache.world_size} (ock.mmc.local_service.world_size): raise it"
+            )
+        return self
+
+    @property
+    def embedded_server(self) -> bool:
+        return self.memcache.meta_service_url is None
+
+
+POOL_CONFIGS: Mapping[str, type[PoolConfig]] = MappingProxyType(
+    {"mooncake": MooncakePoolConfig, "yuanrong": YuanrongPoolConfig, "memcache": MemcachePoolConfig}
+)
+"""The config class of each backend."""
+assert set(POOL_CONFIGS) == set(get_args(BackendName)), "a backend without a config class"
+
+_C = TypeVar("_C", bound=PoolConfig)
+
+
+def as_backend(config: PoolConfig, model: type[_C]) -> _C:
+    """``config`` as the config of the backend a caller serves (a registry row, a
+    backend's checks), which only ever gets configs of its backend."""
+    assert isinstance(config, model), (
+        f"{model.__name__} expected, got a {config.backend!r} pool config: kvray's bug"
+    )
+    return config
+
+
+_SECTIONS = frozenset(f for model in POOL_CONFIGS.values() for f in model.model_fields) - frozenset(
+    PoolConfig.model_fields
+)
+"""Every backend's sections."""

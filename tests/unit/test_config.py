@@ -279,3 +279,64 @@ def test_pipeline_and_partition_are_parsed_once_into_typed_values(tmp_path):
     assert conn.model_dump()["prefill_pp_layer_partition"] == "10,10,12"
     assert ConnectorConfig.model_validate_json(conn.model_dump_json()) == conn
     assert ConnectorConfig().prefill_partition is None
+
+
+SECTIONS = {
+    "mooncake": {"mooncake", "master"},
+    "yuanrong": {"yuanrong", "datasystem"},
+    "memcache": {"memcache", "memcache_meta"},
+}
+
+
+@pytest.mark.parametrize("backend", sorted(SECTIONS))
+def test_each_backends_config_holds_only_its_sections(backend):
+    from kvray.config import POOL_CONFIGS
+
+    cfg = PoolConfig.from_dict({"backend": backend}, environ={})
+    assert type(cfg) is POOL_CONFIGS[backend] and isinstance(cfg, PoolConfig)
+    assert set(type(cfg).model_fields) - set(PoolConfig.model_fields) == SECTIONS[backend]
+    for other in set().union(*SECTIONS.values()) - SECTIONS[backend]:
+        assert not hasattr(cfg, other)
+    # The JSON the pool's actors get gives back an equal config of the same class.
+    again = PoolConfig.model_validate_json(cfg.model_dump_json())
+    assert type(again) is type(cfg) and again == cfg
+    assert type(PoolConfig.model_validate(cfg.model_dump())) is type(cfg)
+    assert type(cfg.model_copy(update={"io_threads": 2})) is type(cfg)
+
+
+def test_default_backend_is_mooncake():
+    from kvray.config import MooncakePoolConfig
+
+    cfg = PoolConfig.from_dict({}, environ={})
+    assert isinstance(cfg, MooncakePoolConfig) and cfg.backend == "mooncake"
+    assert isinstance(PoolConfig.model_validate_json("{}"), MooncakePoolConfig)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "owner"),
+    [
+        ({"backend": "yuanrong", "mooncake": {}}, "mooncake", "mooncake"),
+        ({"backend": "yuanrong", "memcache_meta": {}}, "memcache_meta", "memcache"),
+        ({"backend": "memcache", "master": {"eviction_ratio": 0.1}}, "master", "mooncake"),
+        ({"backend": "mooncake", "datasystem": {}}, "datasystem", "yuanrong"),
+        ({"backend": "memcache", "yuanrong": {}}, "yuanrong", "yuanrong"),
+    ],
+)
+def test_another_backends_section_is_refused_naming_the_fix(data, field, owner):
+    data = {"backend": "mooncake", **data}
+    data[data["backend"]] = {}  # its own section given too: only the foreign one is wrong
+    with pytest.raises(ConfigError) as err:
+        PoolConfig.from_dict(data, environ={})
+    assert str(err.value).splitlines()[1:] == [
+        f"  {field}: only for backend '{owner}' (this pool's backend is '{data['backend']}'): "
+        f"remove the section or set backend: {owner}"
+    ]
+
+
+def test_a_bad_backend_is_named_before_the_sections():
+    with pytest.raises(ConfigError) as err:
+        PoolConfig.from_dict({"backend": "redis", "mooncake": {}, "world_size": 0}, environ={})
+    lines = str(err.value).splitlines()[1:]
+    assert [x.split(":")[0].strip() for x in lines] == ["backend", "world_size"]
+    with pytest.raises(TypeError, match="abstract"):
+        PoolConfig()  # the common part alone is no pool: parse one

@@ -100,11 +100,11 @@ class PoolManagerActor:
         while True:
             await asyncio.sleep(RECONCILE_S)
             try:
-                await self.forget_gone_nodes(GONE_NODE_FORGET_S)
+                await self._forget_gone_nodes(GONE_NODE_FORGET_S)
             except Exception:
                 logger.exception("pool %s: reconcile pass failed", self._config.name)
 
-    async def forget_gone_nodes(self, after_s: float) -> list[str]:
+    async def _forget_gone_nodes(self, after_s: float) -> list[str]:
         """Drop the actors of nodes Ray has reported dead for ``after_s``; returns them."""
         cluster = await asyncio.to_thread(ray.nodes)
         alive = {n["NodeID"] for n in cluster if n["Alive"]}

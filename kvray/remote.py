@@ -21,7 +21,7 @@ actor handles they hold.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
@@ -114,10 +114,6 @@ class Call(Generic[T]):
     def cancel(self) -> None:
         """Ask Ray to drop the call (an async actor method is cancelled, the answer lost)."""
         ray.cancel(self.ref)
-
-    def __await__(self) -> Generator[Any, None, T]:
-        """Await without a limit: only where the callee bounds its own time."""
-        return self.aresult(None).__await__()
 
 
 def connected() -> bool:
@@ -279,9 +275,6 @@ class ManagerHandle(Handle):
 
     def server_metrics(self) -> Call[dict[str, float]]:
         return self._call("server_metrics")
-
-    def forget_gone_nodes(self, after_s: float) -> Call[list[str]]:
-        return self._call("forget_gone_nodes", after_s)
 
     def stop(self) -> Call[None]:
         return self._call("stop")

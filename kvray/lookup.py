@@ -61,7 +61,7 @@ def first_miss(present: Sequence[bool], num_blocks: int, columns: int, hits: int
     return any(present[c * num_blocks + hits] for c in range(columns))
 
 
-LowerTier = Callable[[int, list[str]], Awaitable[list[bool]]]
+LowerExists = Callable[[int, list[str]], Awaitable[list[bool]]]
 """``(rank, keys) -> present``: the SSD tier of a rank, asked for what DRAM lacks."""
 
 
@@ -72,7 +72,7 @@ class LookupService:
     def __init__(
         self,
         backend: Backend,
-        lower: LowerTier | None = None,
+        lower: LowerExists | None = None,
         ledger: Ledger | None = None,
     ) -> None:
         self.backend = backend

@@ -39,7 +39,7 @@ class PoolManagerActor:
         self._server: ServerProcess | None = None
         self._server_kind = spec.server_name
         self._resolved: dict[str, Any] = {}
-        address = spec.server_address(config)
+        address = config.configured_server
         if address is None:
             self._server = spec.make_server(config)
             address = self._server.start()

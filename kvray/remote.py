@@ -129,7 +129,7 @@ def ready(calls: Sequence[Call[Any]], timeout_s: float = 0, *, every: bool = Fal
         return []
     refs = [c.ref for c in calls]
     done, _ = ray.wait(refs, num_returns=len(refs) if every else 1, timeout=timeout_s)
-    if not every and done:  # one answered: which others did by now, without waiting
+    if not every and done and len(refs) > 1:  # which others answered by now, no waiting
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     got = set(done)
     return [r in got for r in refs]
@@ -226,7 +226,7 @@ class LookupHandle(Handle):
     ) -> Call[Answer]:
         """Leading blocks present for every rank; ``want``/``wait_s``: a PD decode
         instance waits up to ``wait_s`` for ``want`` blocks its prefill is storing."""
-        return self._call("lookup", space, list(block_hashes), timeout_s, want, wait_s)
+        return self._call("lookup", space, block_hashes, timeout_s, want, wait_s)
 
     def probe(self) -> Call[dict[str, Any]]:
         return self._call("probe")

@@ -6,8 +6,7 @@ them; reads try DRAM first and ask the lower tier only for the keys DRAM could n
 serve (missing, a failed transfer, or a block that failed its checksum: the lower
 tier rewrites every byte of the destination). The lower tier is anything with the
 :class:`LowerTier` methods: the SSD offload actor of the same node and slot (through
-:class:`RemoteTier`), or a :class:`~kvray.rank_store.RankStore` in the same process
-(:class:`LocalTier`, for tests and tools).
+:class:`RemoteTier`), or a :class:`~kvray.rank_store.RankStore` in the same process.
 """
 
 from __future__ import annotations
@@ -30,13 +29,13 @@ LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED, KeyStatus.C
 
 
 class LowerTier(Protocol):
-    """The tier below DRAM: the same batched contract as the rank's own store."""
+    """The tier below DRAM: the rank's own store's contract (:class:`RankStore` has it)."""
 
-    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]: ...
+    async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]: ...
     async def get(self, batch: TransferBatch) -> list[KeyStatus]: ...
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...
-    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]: ...
-    async def map_region(self, spec: RegionSpec) -> None: ...
+    async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]: ...
+    async def ensure_region(self, spec: RegionSpec) -> object: ...
     async def release_region(self, region_id: str) -> None: ...
 
 
@@ -48,7 +47,7 @@ class RemoteTier:
         self.handle = handle
         self._timeout_s = timeout_s
 
-    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]:
+    async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]:
         return await self.handle.put(batch, overwrite).aresult(self._timeout_s)
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
@@ -57,39 +56,14 @@ class RemoteTier:
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return await self.handle.exists(keys).aresult(self._timeout_s)
 
-    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]:
+    async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
         return await self.handle.remove(keys, force).aresult(self._timeout_s)
 
-    async def map_region(self, spec: RegionSpec) -> None:
+    async def ensure_region(self, spec: RegionSpec) -> None:
         await self.handle.map_region(spec).aresult(self._timeout_s)
 
     async def release_region(self, region_id: str) -> None:
         await self.handle.release_region(region_id).aresult(self._timeout_s)
-
-
-class LocalTier:
-    """A :class:`RankStore` in this process as the lower tier."""
-
-    def __init__(self, store: RankStore) -> None:
-        self.store = store
-
-    async def put(self, batch: TransferBatch, overwrite: bool) -> list[KeyStatus]:
-        return await self.store.put(batch, overwrite=overwrite)
-
-    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
-        return await self.store.get(batch)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self.store.exists(keys)
-
-    async def remove(self, keys: Sequence[str], force: bool) -> list[KeyStatus]:
-        return await self.store.remove(keys, force=force)
-
-    async def map_region(self, spec: RegionSpec) -> None:
-        await self.store.ensure_region(spec)
-
-    async def release_region(self, region_id: str) -> None:
-        await self.store.release_region(region_id)
 
 
 def _either(upper: Sequence[KeyStatus], lower: Sequence[KeyStatus]) -> list[KeyStatus]:
@@ -132,7 +106,8 @@ class TieredStore:
             # Write-through to both tiers at once; the caller may reuse its memory when
             # this returns, so the lower tier's write is awaited too.
             dram, lower = await asyncio.gather(
-                self.dram.put(batch, overwrite=overwrite), self.lower.put(batch, overwrite)
+                self.dram.put(batch, overwrite=overwrite),
+                self.lower.put(batch, overwrite=overwrite),
             )
             self.dram.stats.ssd_put_keys += sum(s is KeyStatus.OK for s in lower)
             statuses = _either(dram, lower)
@@ -165,14 +140,14 @@ class TieredStore:
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         statuses = await self.dram.remove(keys, force=force)
         if self.lower is not None:
-            statuses = _either(statuses, await self.lower.remove(list(keys), force))
+            statuses = _either(statuses, await self.lower.remove(list(keys), force=force))
         self._note(keys, statuses, Seen.REMOVED)
         return statuses
 
     async def map_region(self, spec: RegionSpec) -> None:
         await self.dram.ensure_region(spec)
         if self.lower is not None:
-            await self.lower.map_region(spec)
+            await self.lower.ensure_region(spec)
 
     async def release_region(self, region_id: str) -> None:
         await self.dram.release_region(region_id)

@@ -102,8 +102,6 @@ class BackendSpec:
     to the pool's actors)."""
     make_client: Callable[[PoolConfig, str, bool], Backend]
     """``(config, server_address, contribute_memory)``: a new client."""
-    server_address: Callable[[PoolConfig], str | None]
-    """The address of an external server the config names; None: kvray runs its own."""
     make_server: Callable[[PoolConfig], ServerProcess]
     """The embedded server for ``config`` (not started)."""
     reachability: Callable[[PoolConfig], list[tuple[str, str]]]
@@ -210,7 +208,6 @@ MOONCAKE = BackendSpec(
         "ASCEND_ENABLE_USE_FABRIC_MEM",
     ),
     make_client=_mooncake_client,
-    server_address=lambda c: _mc(c).mooncake.master_server_address,
     make_server=_mooncake_master,
     for_rank=_mooncake_for_rank,
     reachability=_mooncake_reachability,
@@ -271,7 +268,6 @@ YUANRONG = BackendSpec(
     env_sections=("yuanrong",),
     config_vars=("DS_WORKER_ADDR",),
     make_client=_yuanrong_client,
-    server_address=lambda c: _yr(c).yuanrong.worker_address,
     make_server=lambda c: DatasystemWorker(_yr(c).datasystem, name=c.name),
     reachability=_yuanrong_reachability,
     device_setting=lambda c: (
@@ -319,7 +315,6 @@ MEMCACHE = BackendSpec(
     env_sections=("memcache", "memcache_meta"),
     config_vars=("MMC_LOCAL_CONFIG_PATH", "MMC_META_CONFIG_PATH"),
     make_client=_memcache_client,
-    server_address=lambda c: _mmc(c).memcache.meta_service_url,
     make_server=lambda c: MetaService(_mmc(c).memcache_meta, name=c.name),
     reachability=_memcache_reachability,
     device_setting=lambda c: (

@@ -155,8 +155,13 @@ class PoolConfig(_Strict):
 
     @property
     @abstractmethod
+    def configured_server(self) -> str | None:
+        """The address of an external server the config names; None: kvray runs its own."""
+
+    @property
     def embedded_server(self) -> bool:
         """Whether kvray runs the backend's server itself (no address configured)."""
+        return self.configured_server is None
 
     @classmethod
     def misplaced(cls, field: str) -> str | None:
@@ -290,8 +295,8 @@ class MooncakePoolConfig(PoolConfig):
     """Flags of the embedded ``mooncake_master`` (used only without a master address)."""
 
     @property
-    def embedded_server(self) -> bool:
-        return self.mooncake.master_server_address is None
+    def configured_server(self) -> str | None:
+        return self.mooncake.master_server_address
 
 
 class YuanrongPoolConfig(PoolConfig):
@@ -305,8 +310,8 @@ class YuanrongPoolConfig(PoolConfig):
     """The embedded datasystem worker (used only without a worker address)."""
 
     @property
-    def embedded_server(self) -> bool:
-        return self.yuanrong.worker_address is None
+    def configured_server(self) -> str | None:
+        return self.yuanrong.worker_address
 
 
 class MemcachePoolConfig(PoolConfig):
@@ -329,8 +334,8 @@ class MemcachePoolConfig(PoolConfig):
         return self
 
     @property
-    def embedded_server(self) -> bool:
-        return self.memcache.meta_service_url is None
+    def configured_server(self) -> str | None:
+        return self.memcache.meta_service_url
 
 
 POOL_CONFIGS: Mapping[str, type[PoolConfig]] = MappingProxyType(

@@ -42,14 +42,14 @@ def test_every_backend_has_one_row_naming_real_config_sections():
 def test_embedded_or_external_server(backend, server, cls, external):
     spec = spec_of(backend)
     embedded = PoolConfig.from_dict({"backend": backend}, environ={})
-    assert spec.server_address(embedded) is None
+    assert embedded.configured_server is None
     made = spec.make_server(embedded)
     try:
         assert isinstance(made, cls) and made.what == server == spec.server_name
     finally:
         made.stop()  # removes the directory it made
     ext = PoolConfig.from_dict({"backend": backend, **external}, environ={})
-    assert spec.server_address(ext) is not None
+    assert ext.configured_server is not None
     ((field, address),) = spec.reachability(ext)
     assert field.startswith(backend) and address.startswith("10.0.0.1:")
     status = PoolStatus("p", "kvray", backend, "x:1", True, 1)

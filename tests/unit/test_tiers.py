@@ -15,7 +15,7 @@ from kvray.config import SsdConfig
 from kvray.ledger import Seen, block_digest
 from kvray.rank_store import RankStore
 from kvray.shm import SharedRegion
-from kvray.tiers import LocalTier, TieredStore
+from kvray.tiers import TieredStore
 from kvray.transfer import TransferBatch
 
 BLOCK = 64 << 10
@@ -49,7 +49,7 @@ def run(coro):
 def test_writes_go_through_and_the_lower_tier_serves_what_dram_lost(tmp_path):
     region = SharedRegion.create("kvray-test-tiers", 8 * BLOCK)
     dram, ssd = store(tmp_path / "dram"), store(tmp_path / "ssd")
-    tiers = TieredStore(dram, LocalTier(ssd))
+    tiers = TieredStore(dram, ssd)
 
     async def scenario() -> None:
         keys = [f"k{i}" for i in range(4)]
@@ -86,7 +86,7 @@ def test_writes_go_through_and_the_lower_tier_serves_what_dram_lost(tmp_path):
 def test_a_block_failing_its_dram_checksum_is_served_by_the_lower_tier(tmp_path):
     region = SharedRegion.create("kvray-test-tiers", 4 * BLOCK)
     dram, ssd = store(tmp_path / "dram", checksum=True), store(tmp_path / "ssd")
-    tiers = TieredStore(dram, LocalTier(ssd))
+    tiers = TieredStore(dram, ssd)
 
     async def scenario() -> None:
         src = fill(region, 1, 2)

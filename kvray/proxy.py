@@ -152,7 +152,7 @@ class Proxy:
             timeout = aiohttp.ClientTimeout(total=2)
             async with self.session.get(f"{inst.url}/health", timeout=timeout) as r:
                 ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             ok = False
         if ok != inst.healthy:
             logger.warning("%s is now %s", inst.url, "healthy" if ok else "UNHEALTHY")

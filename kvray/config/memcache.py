@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
-from typing_extensions import Self
 
 from kvray.config._common import GiB, TiB, _size, _Strict, _url, validate
 from kvray.sizes import parse_size

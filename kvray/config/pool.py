@@ -15,11 +15,10 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar, cast, get_args
+from typing import Any, Literal, Self, TypeVar, cast, get_args
 
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic.config import ExtraValues
-from typing_extensions import Self
 
 from kvray.config._common import (
     BackendName,

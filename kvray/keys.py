@@ -1,10 +1,19 @@
 """Block keys: which block of which rank's KV a pool object holds.
 
 A key names the model/namespace, the KV layout (dtype, block size, KV heads per rank,
-head size), the TP/head-group rank, the PP rank and the block hash::
+head size), the block geometry of the rank's bytes, the TP/head-group rank, the PP rank
+and the block hash::
 
-    <namespace>@<layout>@tp<r>@pp<p>@<sha256 hex>
-    Qwen/Qwen3-8B@bfloat16-b128-h8x128@tp0@pp0@9f86d08...
+    <namespace>@<layout>@g<geometry>@tp<r>@pp<p>@<sha256 hex>
+    Qwen3-8B-m1a2b3c4d5e6@bfloat16-b128-h8x128@g0f1e2d3c4b5a@tp0@pp0@9f86d08...
+
+The geometry (:func:`geometry_digest`) names what the layout tag does not: the order of a
+block's bytes (the attention backend's planes and their shapes) and which layers the key
+holds (so PP partitions, layer counts and platforms never share keys). It is in the key,
+not in a record beside it: a record could be lost to a restart or evicted from a tier
+while the bytes it describes stay. Engines derive it from their KV caches; keys built
+without one (``KeySpace.geometries`` empty: the Pool API's and tools' own keys) have no
+``@g`` part.
 
 With layer-wise transfers (``use_layerwise``) each block of each rank is ``G`` keys, one
 per group of its layers, ``...@pp<p>@lg<g>of<G>@<hash>``: the group count is in the key,
@@ -29,8 +38,9 @@ from kvray.errors import KeyFormatError
 BlockHash = NewType("BlockHash", bytes)
 """A block hash: 32 bytes of sha256 (vLLM's ``Request.block_hashes`` or kvray's own)."""
 
-KEY_SCHEMA_VERSION = 1
-"""Bumped whenever key strings or block hashing change meaning."""
+KEY_SCHEMA_VERSION = 2
+"""Bumped whenever key strings or block hashing change meaning (2: the block geometry
+in engine keys, a digest of the model in default namespaces; docs/migrating.md)."""
 
 ROOT_SEED = b"kvray-block-hash-v1"
 """Default seed of a hash chain's first block."""
@@ -38,8 +48,9 @@ ROOT_SEED = b"kvray-block-hash-v1"
 _SEP = "@"
 _NAMESPACE_RE = re.compile(r"^[^\s@]{1,200}$")
 _LAYOUT_RE = re.compile(r"^[a-z0-9]+-b\d+-h\d+x\d+$")
+_GEOMETRY_RE = re.compile(r"^[0-9a-f]{12}$")
 _KEY_RE = re.compile(
-    r"^(?P<ns>[^\s@]{1,200})@(?P<layout>[a-z0-9]+-b\d+-h\d+x\d+)"
+    r"^(?P<ns>[^\s@]{1,200})@(?P<layout>[a-z0-9]+-b\d+-h\d+x\d+)(?:@g(?P<geo>[0-9a-f]{12}))?"
     r"@tp(?P<tp>\d+)@pp(?P<pp>\d+)(?:@lg(?P<lg>\d+)of(?P<lgs>\d+))?"
     r"@(?P<hash>[0-9a-f]{2,128})$"
 )
@@ -88,8 +99,15 @@ class BlockKey:
     layer_groups: int = 1
     """Layer-wise keys: this key holds layer group ``layer_group`` of ``layer_groups``
     (1: the key holds all of the rank's layers)."""
+    geometry: str = ""
+    """:func:`geometry_digest` of the rank's bytes ("": a key of no engine's KV cache)."""
 
     def __post_init__(self) -> None:
+        if self.geometry and not _GEOMETRY_RE.match(self.geometry):
+            raise KeyFormatError(
+                f"BlockKey.geometry must be 12 lowercase hex digits (geometry_digest), got "
+                f"{self.geometry!r}"
+            )
         if not 0 <= self.layer_group < self.layer_groups:
             raise KeyFormatError(
                 f"BlockKey.layer_group must be in 0..layer_groups-1, got "
@@ -111,9 +129,9 @@ class BlockKey:
 
     def to_str(self) -> str:
         return (
-            f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{self.tp_rank}{_SEP}"
-            f"pp{self.pp_rank}{_SEP}{_group_part(self.layer_group, self.layer_groups)}"
-            f"{self.block_hash.hex()}"
+            f"{self.namespace}{_SEP}{self.layout}{_SEP}{_geometry_part(self.geometry)}"
+            f"tp{self.tp_rank}{_SEP}pp{self.pp_rank}{_SEP}"
+            f"{_group_part(self.layer_group, self.layer_groups)}{self.block_hash.hex()}"
         )
 
     @classmethod
@@ -129,6 +147,7 @@ class BlockKey:
             BlockHash(bytes.fromhex(m.group("hash"))),
             int(m.group("lg") or 0),
             int(m.group("lgs") or 1),
+            m.group("geo") or "",
         )
 
     def __str__(self) -> str:
@@ -149,8 +168,20 @@ class KeySpace:
     pp_size: int = 1
     layer_groups: int = 1
     """Keys per block and rank (layer-wise transfers: one per group of the rank's layers)."""
+    geometries: tuple[str, ...] = ()
+    """Per instance rank, the :func:`geometry_digest` of its keys' bytes ("" for a rank
+    whose geometry this process does not know: a worker knows its own). Empty: keys
+    without a geometry (the Pool API's and tools' own keys, never an engine's)."""
 
     def __post_init__(self) -> None:
+        if self.geometries and len(self.geometries) != self.tp_size * self.pp_size:
+            raise KeyFormatError(
+                f"KeySpace.geometries has {len(self.geometries)} entries for "
+                f"{self.tp_size * self.pp_size} ranks (one per rank, or none)"
+            )
+        for g in self.geometries:
+            if g and not _GEOMETRY_RE.match(g):
+                raise KeyFormatError(f"KeySpace.geometries: {g!r} is not a geometry_digest")
         if self.tp_size < 1 or self.pp_size < 1 or self.layer_groups < 1:
             raise KeyFormatError(
                 f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size} "
@@ -184,7 +215,25 @@ class KeySpace:
             BlockHash(block_hash),
             layer_group,
             self.layer_groups,
+            self.geometry_of(pp_rank * self.tp_size + tp_rank),
         )
+
+    def geometry_of(self, rank: int) -> str:
+        """The geometry part of rank ``rank``'s keys ("" when keys have none)."""
+        if not self.geometries:
+            return ""
+        geometry = self.geometries[rank]
+        if not geometry:
+            raise KeyFormatError(
+                f"KeySpace has no block geometry for rank {rank} (this process knows the "
+                "geometries of its own ranks only): kvray's bug"
+            )
+        return geometry
+
+    @property
+    def complete(self) -> bool:
+        """Every rank's geometry is known (or keys have none): lookups may be made."""
+        return all(self.geometries)
 
     def rank_key_strs(self, hashes: Sequence[bytes], rank: int, group: int = 0) -> list[str]:
         """Key strings of ``hashes`` for one instance rank (and layer group); the hot
@@ -193,8 +242,8 @@ class KeySpace:
             raise KeyFormatError(f"layer group {group} is outside 0..{self.layer_groups - 1}")
         pp_rank, tp_rank = divmod(rank, self.tp_size)
         prefix = (
-            f"{self.namespace}{_SEP}{self.layout}{_SEP}tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}"
-            f"{_group_part(group, self.layer_groups)}"
+            f"{self.namespace}{_SEP}{self.layout}{_SEP}{_geometry_part(self.geometry_of(rank))}"
+            f"tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}{_group_part(group, self.layer_groups)}"
         )
         return [prefix + h.hex() for h in hashes]
 
@@ -216,6 +265,23 @@ def block_of_key(key: str) -> str:
     if len(parts) < 5:
         return key
     return f"{parts[0]}{_SEP}{parts[1]}{_SEP}{parts[-1]}"
+
+
+def _geometry_part(geometry: str) -> str:
+    return f"g{geometry}{_SEP}" if geometry else ""
+
+
+def geometry_digest(byte_order: str, layer_names: Sequence[str]) -> str:
+    """What a rank's key holds, as 12 hex digits: ``byte_order``, the shape of one
+    block of one layer as stored (e.g. ``p4x256x64``: the attention backend's planes), and
+    ``layer_names``, the layers whose blocks the key holds, in order. Equal for engines
+    that store the same bytes for a block whatever their process, node or placement;
+    different for another attention backend, PP partition or layer count."""
+    h = hashlib.sha256(b"kvray-geometry-v1\0")
+    h.update(byte_order.encode())
+    for name in layer_names:
+        h.update(b"\0" + name.encode())
+    return h.hexdigest()[:12]
 
 
 def _group_part(group: int, groups: int) -> str:

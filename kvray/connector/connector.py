@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -124,6 +125,10 @@ class KVRayConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.step_times()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        # The worker's block geometries, for the scheduler side's keys.
+        return self._worker.handshake() if self._worker is not None else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -153,6 +158,17 @@ class KVRayConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # Every (pp, tp) worker's: kvray keys blocks of every PP rank.
+        self.scheduler.use_handshake(metadata.values())
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.scheduler.use_handshake(metadata.values())
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()

@@ -63,6 +63,15 @@ class Lookups:
         self._warn = warn
         self._pending: dict[str, PendingLookup] = {}
 
+    @property
+    def space(self) -> KeySpace:
+        return self._space
+
+    @space.setter
+    def space(self, space: KeySpace) -> None:
+        """The instance's keys once its workers' block geometries are known."""
+        self._space = space
+
     def warm_up(self) -> None:
         """The first call from a new process sets up Ray's connection to the actor (often
         longer than a lookup timeout): paid here, not as a miss on the first request."""

@@ -1,4 +1,5 @@
-"""What the scheduler side tells the worker side each step: typed, small, picklable.
+"""What the scheduler side tells the worker side each step, and what each worker tells
+the scheduler side once at start (vLLM's handshake metadata): typed, small, picklable.
 
 Block hashes travel as raw bytes; each worker turns them into its own rank's keys.
 """
@@ -7,7 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+
+@dataclass(frozen=True)
+class KVRayHandshake(KVConnectorHandshakeMetadata):
+    """One worker's block geometries, sent to the scheduler side after the KV caches are
+    registered (vLLM collects every worker's once the scheduler is built and hands them to
+    ``set_xfer_handshake_metadata_pp_aware``): its lookups build the same keys."""
+
+    geometries: dict[int, str]
+    """Instance rank -> :func:`~kvray.keys.geometry_digest` of the keys the worker stores
+    for it (its own rank; each prefill stage's, when split by a prefill's PP stages)."""
 
 
 @dataclass(frozen=True, slots=True)

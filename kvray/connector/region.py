@@ -23,6 +23,7 @@ from kvray.connector.kv_geometry import check_uniform, geometry_tag, layer_geome
 from kvray.connector.pp import Part, group_parts, split_columns, stage_parts
 from kvray.connector.staging import Stager
 from kvray.errors import ConfigError
+from kvray.keys import geometry_digest
 from kvray.transfer import TransferBatch
 
 if TYPE_CHECKING:
@@ -130,6 +131,27 @@ class KVRegion:
             return geometry_tag(self.stager.geometry)
         geoms = {n: layer_geometry(e, self.info.num_blocks, n) for n, e in kv_caches.items()}
         return geometry_tag(check_uniform(geoms))
+
+    def rank_geometries(self, kv_caches: Mapping[str, KVEntry]) -> dict[int, str]:
+        """Instance rank -> the geometry part of the keys this worker stores for it
+        (:func:`~kvray.keys.geometry_digest`): its own rank's, or, split by a prefill's
+        PP stages, each stage's (that stage's layers, as the prefill worker of that stage
+        names them). Call after :meth:`split_blocks`."""
+        order = self.geometry_tag(kv_caches)
+        names = list(kv_caches)
+        if not self.info.split_stages:
+            return {self.rank: geometry_digest(order, names)}
+        planes = self.stager.planes_per_layer if self.stager else 1
+        return {
+            p.rank: geometry_digest(order, names[p.lo // planes : p.hi // planes])
+            for p in self.parts
+        }
+
+    def use_geometries(self, geometries: Mapping[int, str]) -> None:
+        """Key this worker's blocks with their geometries (from :meth:`rank_geometries`)."""
+        space = self.info.space
+        full = tuple(geometries.get(r, "") for r in range(space.world_size))
+        self.info = replace(self.info, space=replace(space, geometries=full))
 
     def split_blocks(self, layer_names: list[str], tp_rank: int) -> None:
         """Blocks of several keys: by the prefill's PP stages, or by layer groups."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvray.connector.calls import RayWaits, Waits
@@ -32,6 +34,7 @@ from kvray.connector.pd_params import PDParams
 from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
+from kvray.errors import ConfigError
 from kvray.misses import counter as miss_counter
 
 if TYPE_CHECKING:
@@ -107,6 +110,55 @@ class KVRayScheduler:
             info.config.load_async,
         )
 
+    # ---- keys ----------------------------------------------------------------------------
+
+    def use_handshake(self, metadata: Iterable[object]) -> None:
+        """The workers' block geometries (vLLM's handshake metadata, once, after they
+        registered their KV caches and before any request): part of every key, so
+        lookups ask for the keys the workers store."""
+        from kvray.connector.metadata import KVRayHandshake
+
+        ours = [m for m in metadata if isinstance(m, KVRayHandshake)]
+        if not ours:
+            raise ConfigError(
+                "KVRayConnector's scheduler received no block geometry from its workers (the "
+                "handshake metadata vLLM collected is another connector's: MultiConnector "
+                "passes on only its first connector's): list KVRayConnector first in "
+                "MultiConnector's connectors"
+            )
+        geometries: dict[int, str] = {}
+        for m in ours:
+            geometries.update(m.geometries)
+        space = self.info.space
+        full = tuple(geometries.get(r, "") for r in range(space.world_size))
+        self.info = replace(self.info, space=replace(space, geometries=full))
+        self._lookups.space = self.info.space
+        if not self.info.space.complete:
+            missing = [r for r, g in enumerate(full) if not g]
+            raise ConfigError(
+                f"KVRayConnector's scheduler received the block geometry of ranks "
+                f"{sorted(geometries)} but not of {missing}: vLLM's handshake metadata missed "
+                "workers (kvray's bug, or a vLLM whose executor does not collect it)"
+            )
+        logger.info(
+            "KVRayConnector scheduler: keys %s@%s, block geometries %s",
+            space.namespace,
+            space.layout,
+            ",".join(full),
+        )
+
+    def _keys_known(self) -> bool:
+        """Lookups need every rank's geometry; without it a lookup would ask for keys no
+        worker stores: a miss, said once, never a wrong key."""
+        if self.info.space.complete:
+            return True
+        self._warn_once(
+            "no-geometry",
+            "KVRayConnector: the workers' block geometries never reached the scheduler "
+            "(vLLM did not call set_xfer_handshake_metadata): every lookup is a miss",
+        )
+        return False
+
     # ---- lookup --------------------------------------------------------------------------
 
     def _start_lookup(self, request: Request, first_block: int) -> None:
@@ -130,7 +182,7 @@ class KVRayScheduler:
         time the scheduler first considers the request."""
         self._hashes.ensure()
         self._clock(request)
-        if self.info.can_load and request.block_hashes:
+        if self.info.can_load and request.block_hashes and self._keys_known():
             self._start_lookup(request, 0)
 
     def get_num_new_matched_tokens(
@@ -139,7 +191,7 @@ class KVRayScheduler:
         rid = request.request_id
         local = num_computed_tokens // self.block_size
         hashes = request.block_hashes
-        if not self.info.can_load or len(hashes) <= local:
+        if not self.info.can_load or len(hashes) <= local or not self._keys_known():
             self._admit(RequestState(request, local, next_save=local))
             clock = self._clock(request)
             clock.timeline.admitted_ms = clock.now_ms()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.loads import Loader
-from kvray.connector.metadata import KVRayMetadata
+from kvray.connector.metadata import KVRayHandshake, KVRayMetadata
 from kvray.connector.region import KVRegion
 from kvray.connector.saves import Saver
 from kvray.connector.shm_kv import SharedKVAllocator
@@ -42,16 +42,6 @@ if TYPE_CHECKING:
     from kvray.remote import Call, StoreHandle
 
 logger = logging.getLogger(__name__)
-
-
-def check_geometry_claim(keys: str, mine: str, claimed: str) -> None:
-    if claimed != mine:
-        raise ConfigError(
-            f"KVRayConnector: the pool holds blocks under {keys} whose bytes are shaped "
-            f"{claimed}, but this engine's KV blocks are shaped {mine} (another attention "
-            "backend or platform): its loads would be wrong bytes. Give this engine its own "
-            "model_namespace in kv_connector_extra_config"
-        )
 
 
 def _rank() -> tuple[int, int, int]:
@@ -83,6 +73,8 @@ class KVRayWorker:
         self._call_timeout_s = self._pool.config.call_timeout_s
         self._pool_name = self._pool.config.name
         self.rank = -1
+        self.geometries: dict[int, str] = {}
+        """Instance rank -> the geometry part of the keys this worker stores for it."""
         self._allocator: SharedKVAllocator | None = None
         self._region: KVRegion | None = None
         self._loads: Loader | None = None
@@ -142,8 +134,13 @@ class KVRayWorker:
             prefix = f"{region_prefix(self._pool_name)}-stage"
             region = self._region = KVRegion.staged(self.info, self.rank, kv_caches, prefix)
             placement = "staged"
-        self._claim_geometry(region.geometry_tag(kv_caches))
         region.split_blocks(list(kv_caches), tp_rank)
+        # The block geometry is in every key (kvray.keys): an engine whose bytes are
+        # shaped otherwise (attention backend, platform, PP partition) never shares keys
+        # with this one, whatever the pool remembers or forgot. The scheduler learns it
+        # through vLLM's handshake metadata (get_handshake_metadata).
+        self.geometries = region.rank_geometries(kv_caches)
+        region.use_geometries(self.geometries)
         # The client maps (every page of) the region now, not in the first transfer.
         store.map_region(region.spec).result(600)
         self._start_transfers(store, region)
@@ -156,15 +153,9 @@ class KVRayWorker:
             region.spec.region_id,
         )
 
-    def _claim_geometry(self, mine: str) -> None:
-        """The key's layout tag names dtype, block size and head split, not the order of
-        a block's bytes, which depends on the attention backend. The pool remembers the
-        geometry of each ``namespace@layout``; an engine whose blocks have another one
-        (another backend or platform) is refused before it writes or reads a block."""
-        space = self.info.space
-        keys = f"{space.namespace}@{space.layout}"
-        claimed = self._pool.manager.claim_geometry(keys, mine).result(60)
-        check_geometry_claim(keys, mine, claimed)
+    def handshake(self) -> KVRayHandshake | None:
+        """What the scheduler side needs of this worker (None before registration)."""
+        return KVRayHandshake(dict(self.geometries)) if self.geometries else None
 
     def _start_transfers(self, store: StoreHandle, region: KVRegion) -> None:
         slots = None

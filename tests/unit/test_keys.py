@@ -5,7 +5,15 @@ import sys
 import pytest
 
 from kvray.errors import KeyFormatError
-from kvray.keys import BlockKey, KeySpace, KVLayout, chain_block_hashes, hash_block, probe_hash
+from kvray.keys import (
+    BlockKey,
+    KeySpace,
+    KVLayout,
+    chain_block_hashes,
+    geometry_digest,
+    hash_block,
+    probe_hash,
+)
 
 LAYOUT = KVLayout("bfloat16", 128, 8, 128).tag()
 
@@ -122,3 +130,43 @@ def test_block_of_key_is_rank_agnostic_and_passes_other_keys_through():
     blocks = {block_of_key(k) for k in space.lookup_key_strs(h)}
     assert blocks == {"m@float16-b16-h2x64@" + h[0].hex()}
     assert block_of_key("blk") == "blk" and block_of_key("a@b") == "a@b"
+
+
+def test_geometry_digest_names_byte_order_and_layers():
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    g = geometry_digest("p4x256x64", layers)
+    assert len(g) == 12 and g == geometry_digest("p4x256x64", list(layers))
+    assert g != geometry_digest("p2x128x4x64", layers), "another attention backend's planes"
+    assert g != geometry_digest("p4x256x64", layers[:2]), "another PP partition"
+    assert geometry_digest("p4x256x64", layers[:2]) != geometry_digest("p4x256x64", layers[2:])
+
+
+def test_geometry_is_part_of_engine_keys():
+    h = hash_block(None, [1, 2, 3])
+    ga, gb = geometry_digest("p4x256x64", ["l0"]), geometry_digest("p4x256x64", ["l1"])
+    space = KeySpace("m", LAYOUT, tp_size=1, pp_size=2, geometries=(ga, gb))
+    key = space.key(h, pp_rank=1)
+    assert key.geometry == gb
+    assert key.to_str() == f"m@{LAYOUT}@g{gb}@tp0@pp1@{h.hex()}"
+    assert BlockKey.from_str(key.to_str()) == key
+    assert space.rank_key_strs([h], 1) == [key.to_str()]
+    other = KeySpace("m", LAYOUT, tp_size=1, pp_size=2, geometries=(gb, ga))
+    assert not set(space.lookup_key_strs([h])) & set(other.lookup_key_strs([h]))
+    # keys of no engine (Pool API, tools) have no geometry part
+    assert KeySpace("m", LAYOUT).key(h).to_str() == f"m@{LAYOUT}@tp0@pp0@{h.hex()}"
+
+
+def test_keyspace_geometries_are_checked():
+    g = geometry_digest("p1", ["l0"])
+    with pytest.raises(KeyFormatError, match="2 ranks"):
+        KeySpace("m", LAYOUT, tp_size=2, geometries=(g,))
+    with pytest.raises(KeyFormatError, match="not a geometry_digest"):
+        KeySpace("m", LAYOUT, geometries=("p4x16",))
+    with pytest.raises(KeyFormatError, match="12 lowercase hex"):
+        BlockKey("m", LAYOUT, 0, 0, hash_block(None, [1]), geometry="XYZ")
+    # a worker knows its own rank's geometry only: asking another's is kvray's bug
+    mine = KeySpace("m", LAYOUT, tp_size=2, geometries=("", g))
+    assert not mine.complete
+    assert mine.rank_key_strs([b"\1"], 1)[0].startswith(f"m@{LAYOUT}@g{g}@tp1@")
+    with pytest.raises(KeyFormatError, match="no block geometry for rank 0"):
+        mine.rank_key_strs([b"\1"], 0)

@@ -34,6 +34,7 @@ from kvray.connector.slots import StagingSlots
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import StepClock, StepTimes
 from kvray.errors import ConfigError
+from kvray.lookup import Place
 from kvray.naming import region_prefix
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class KVRayWorker:
         self.rank = -1
         self.geometries: dict[int, str] = {}
         """Instance rank -> the geometry part of the keys this worker stores for it."""
+        self.places: dict[int, Place] = {}
+        """Instance rank -> this worker's node and slot (it loads that rank's keys)."""
         self._allocator: SharedKVAllocator | None = None
         self._region: KVRegion | None = None
         self._loads: Loader | None = None
@@ -141,6 +144,10 @@ class KVRayWorker:
         # through vLLM's handshake metadata (get_handshake_metadata).
         self.geometries = region.rank_geometries(kv_caches)
         region.use_geometries(self.geometries)
+        # Its blocks on SSD live in this node's slot's tier, whatever its TP/PP rank (TP
+        # across nodes, DP ranks sharing a node): the scheduler's lookups ask that one.
+        self.places = dict.fromkeys(self.geometries, Place(self._pool.node_id, local_rank))
+        self.info = region.info
         # The client maps (every page of) the region now, not in the first transfer.
         store.map_region(region.spec).result(600)
         self._start_transfers(store, region)
@@ -155,7 +162,9 @@ class KVRayWorker:
 
     def handshake(self) -> KVRayHandshake | None:
         """What the scheduler side needs of this worker (None before registration)."""
-        return KVRayHandshake(dict(self.geometries)) if self.geometries else None
+        if not self.geometries:
+            return None
+        return KVRayHandshake(dict(self.geometries), dict(self.places))
 
     def _start_transfers(self, store: StoreHandle, region: KVRegion) -> None:
         slots = None

@@ -297,3 +297,19 @@ def test_an_engine_with_more_local_workers_than_clients_is_refused(monkeypatch):
     w = KVRayWorker(_info("staged"), FakePool(_pool_config()), FakeWaits())
     with pytest.raises(ConfigError, match="world-size 2"):
         w.register_kv_caches({})
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_keys_carry_the_block_geometry_the_scheduler_is_told(engine, placement):
+    """Both placements store the same bytes per block (vLLM's logical order), so one
+    geometry; every stored key carries it, and the handshake hands it to the scheduler."""
+    from kvray.connector.kv_geometry import geometry_tag, layer_geometry
+    from kvray.keys import geometry_digest
+
+    e = engine(placement)
+    order = geometry_tag(layer_geometry(next(iter(e.caches.values())), NB))
+    expected = geometry_digest(order, list(e.caches))
+    assert e.worker.handshake().geometries == {0: expected}
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.worker.get_finished(set())
+    assert e.store.objects and all(f"@g{expected}@tp0@" in k for k in e.store.objects)

@@ -252,10 +252,19 @@ def test_pools_that_move_device_memory_are_refused_by_the_connector():
         check_host_transfers(PoolConfig.from_dict(dev, environ={}))
 
 
-def test_an_engine_with_other_block_shapes_is_refused():
-    pytest.importorskip("vllm", reason="the connector package imports vLLM")
-    from kvray.connector.worker import check_geometry_claim
+def test_engines_with_other_block_shapes_get_other_keys():
+    """The key's layout tag (dtype, block size, head split) is the same for vLLM's CPU
+    cache and a FlashAttention-style one; their bytes per block are ordered otherwise, so
+    the key's geometry differs (kvray.keys.geometry_digest) and neither reads the other's
+    blocks, whatever the pool remembers."""
+    from kvray.connector.kv_geometry import geometry_tag, layer_geometry
+    from kvray.keys import geometry_digest
 
-    check_geometry_claim("m@float16-b16-h4x64", "p4x16x128", "p4x16x128")
-    with pytest.raises(ConfigError, match="shaped p4x16x128.*own model_namespace"):
-        check_geometry_claim("m@float16-b16-h4x64", "p16x4x64.p16x4x64", "p4x16x128")
+    nb, heads, bs, hd = 8, 4, 16, 64
+    cpu = torch.zeros(nb, heads, 2 * bs, hd)  # [B, H, 2N, D]
+    flash = torch.zeros(2, nb, bs, heads, hd)  # (2, B, N, H, D)
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    a = geometry_digest(geometry_tag(layer_geometry(cpu, nb)), names)
+    b = geometry_digest(geometry_tag(layer_geometry(flash, nb)), names)
+    assert a != b
+    assert a == geometry_digest(geometry_tag(layer_geometry(cpu.clone(), nb)), names)

@@ -13,10 +13,11 @@ import ray
 
 from kvray.backends import make_backend
 from kvray.config import PoolConfig
+from kvray.errors import KVRayError
 from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
-from kvray.lookup import Answer, LookupService
+from kvray.lookup import Answer, LookupService, Place, Placement
 from kvray.metrics import export_forever
 from kvray.naming import ssd_name
 from kvray.ray_env import normal_priority
@@ -33,8 +34,10 @@ class LookupActor:
         self._config = config
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
-        self._service = LookupService(backend, lower, Ledger())
-        self._ssd: dict[int, StoreHandle] = {}
+        self._service = LookupService(backend, lower, Ledger(), self._node_id)
+        self._ssd: dict[Place, StoreHandle] = {}
+        """SSD offload actors asked so far, by node and slot (any node's: a rank's worker
+        may run on another node than this scheduler)."""
         self._follower: asyncio.Task[None] | None = None
         self._exporter: asyncio.Task[None] | None = None
 
@@ -66,21 +69,28 @@ class LookupActor:
             self._service.ledger.apply(entries, full)  # type: ignore[union-attr]
             self._service.mixed_hashing = set(mixed)
 
-    async def _ssd_exists(self, rank: int, keys: list[str]) -> list[bool]:
-        """The SSD tier of this node's slot ``rank``: SSD blocks live on the disk of the
-        node that wrote them, so a lookup counts this node's own only."""
-        handle = self._ssd.get(rank)
+    async def _ssd_exists(self, place: Place, keys: list[str]) -> list[bool]:
+        """The SSD tier of slot ``place.slot`` on node ``place.node_id`` (SSD blocks live
+        on the disk of the node that wrote them; another node's tier is a Ray call away,
+        on the SSD fallback path only)."""
+        handle = self._ssd.get(place)
         if handle is None:
             try:
                 actor = await asyncio.to_thread(
                     ray.get_actor,
-                    ssd_name(self._config.name, self._node_id, rank),
+                    ssd_name(self._config.name, place.node_id, place.slot),
                     namespace=self._config.namespace,
                 )
-            except ValueError:  # no worker of that rank ever ran here: nothing on disk
+            except ValueError:  # no worker of that slot ever ran there: nothing on disk
                 return [False] * len(keys)
-            handle = self._ssd[rank] = StoreHandle(actor, f"SsdOffload[{rank}]")
-        return await handle.exists(keys).aresult(self._config.call_timeout_s)
+            name = f"SsdOffload[{place.slot}]@{place.node_id[:8]}"
+            handle = self._ssd[place] = StoreHandle(actor, name)
+        try:
+            return await handle.exists(keys).aresult(self._config.call_timeout_s)
+        except KVRayError:
+            # Gone (its node died, the pool went down): found by name again next time.
+            self._ssd.pop(place, None)
+            raise
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_follower()
@@ -93,12 +103,17 @@ class LookupActor:
         timeout_s: float,
         want: int = 0,
         wait_s: float = 0.0,
+        placement: Placement | None = None,
     ) -> Answer:
         self._ensure_follower()
-        return await self._service.lookup(space, hashes, timeout_s, want, wait_s)
+        return await self._service.lookup(space, hashes, timeout_s, want, wait_s, placement)
 
     async def snapshot(self) -> dict[str, Any]:
-        return {"node_id": self._node_id, "stats": self._service.stats.to_dict()}
+        return {
+            "node_id": self._node_id,
+            "stats": self._service.stats.to_dict(),
+            "ssd_asks": [[p.node_id, p.slot, n] for p, n in self._service.ssd_asks.items()],
+        }
 
     async def close(self) -> None:
         await self._service.backend.close()

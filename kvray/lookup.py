@@ -7,6 +7,11 @@ On Mooncake the same call grants each present key a read lease
 slower than its timeout, or one the backend fails, is a miss: it is counted and logged
 once, never raised to the scheduler.
 
+With a ``<backend>|ssd`` pipeline, the keys DRAM lacks are asked of the SSD tier, per key
+column, of the worker that loads that column: its node and local slot (the instance's
+:data:`Placement`, which its workers record with the pool manager). A block is a hit only
+where the loading worker's own tier holds it: another node's disk is not one it can read.
+
 A lookup may also wait (PD disaggregation): given ``want`` leading blocks a prefill
 instance reported stored, it asks the backend again every ``POLL_S`` until they are all
 there or ``wait_s`` passed. Waiting here, in one cheap coroutine, keeps the engine from
@@ -18,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from kvray.backends.base import Backend
-from kvray.errors import BackendError
+from kvray.errors import BackendError, KVRayError
 from kvray.keys import KeySpace
 from kvray.ledger import Ledger, Seen, block_digest
 from kvray.misses import counter
@@ -61,22 +67,51 @@ def first_miss(present: Sequence[bool], num_blocks: int, columns: int, hits: int
     return any(present[c * num_blocks + hits] for c in range(columns))
 
 
-LowerExists = Callable[[int, list[str]], Awaitable[list[bool]]]
-"""``(rank, keys) -> present``: the SSD tier of a rank, asked for what DRAM lacks."""
+class Place(NamedTuple):
+    """Where an engine worker loads through: its node and local slot, whose BackendClient
+    (and SSD offload actor) it uses."""
+
+    node_id: str
+    slot: int
+
+
+Placement = Mapping[int, Place]
+"""An instance's workers: instance rank (``pp_rank * tp_size + tp_rank``, as its keys
+name it) -> the place of the worker that loads that rank's key columns."""
+
+
+def ssd_places(ranks: int, placement: Placement | None, own_node: str) -> list[Place | None]:
+    """Per instance rank, the SSD tier a lookup asks for that rank's columns. Placement
+    unknown (None: a Pool API caller, or an engine whose workers have not recorded it):
+    this node's slot ``rank``, where a one-node instance's workers run. Known: the place
+    its worker recorded; a rank without one has nothing on SSD that its worker could load
+    (None)."""
+    if placement is None:
+        return [Place(own_node, r) for r in range(ranks)]
+    return [placement.get(r) for r in range(ranks)]
+
+
+LowerExists = Callable[[Place, list[str]], Awaitable[list[bool]]]
+"""``(place, keys) -> present``: the SSD tier of a node's slot, asked for what DRAM
+lacks. No tier there: all False."""
 
 
 class LookupService:
     """Answers prefix lookups against one backend client (and, in a ``<backend>|ssd``
-    pipeline, each rank's SSD tier for the keys DRAM lacks)."""
+    pipeline, the SSD tier each rank's worker loads through, for the keys DRAM lacks)."""
 
     def __init__(
         self,
         backend: Backend,
         lower: LowerExists | None = None,
         ledger: Ledger | None = None,
+        node_id: str = "",
     ) -> None:
+        """``node_id``: the node this service runs on (the SSD tiers a lookup without a
+        placement asks)."""
         self.backend = backend
         self.lower = lower
+        self.node_id = node_id
         self.ledger = ledger
         """What the pool stored and removed (a replica of the manager's): tells a
         never-stored miss from an evicted or removed one. None: every miss is
@@ -84,6 +119,8 @@ class LookupService:
         self.mixed_hashing: set[str] = set()
         """``namespace@layout`` that instances hashing blocks differently share."""
         self.stats = RankStats()
+        self.ssd_asks: Counter[Place] = Counter()
+        """How often each SSD tier was asked (``kvray status`` of the Lookup actor)."""
         self._warned: set[str] = set()
 
     async def lookup(
@@ -93,10 +130,12 @@ class LookupService:
         timeout_s: float,
         want: int = 0,
         wait_s: float = 0.0,
+        placement: Placement | None = None,
     ) -> Answer:
         """Leading ``hashes`` stored by every rank of ``space`` (0 on timeout or backend
         failure), and why the next one missed. With ``want`` > 0, asks again until that
-        many lead or ``wait_s`` passed (each ask bounded by ``timeout_s``)."""
+        many lead or ``wait_s`` passed (each ask bounded by ``timeout_s``). ``placement``:
+        where each rank's worker loads through (see :func:`ssd_places`)."""
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(hashes)
         if not hashes:
@@ -106,7 +145,7 @@ class LookupService:
         want = min(want, n)
         deadline = time.monotonic() + wait_s
         while True:
-            hits, from_ssd, why = await self._ask(space, keys, n, timeout_s)
+            hits, from_ssd, why = await self._ask(space, keys, n, timeout_s, placement)
             if hits >= max(want, 0) and hits >= 0:
                 break
             if time.monotonic() + POLL_S > deadline:
@@ -145,13 +184,18 @@ class LookupService:
         return "not_stored"
 
     async def _ask(
-        self, space: KeySpace, keys: list[str], n: int, timeout_s: float
+        self,
+        space: KeySpace,
+        keys: list[str],
+        n: int,
+        timeout_s: float,
+        placement: Placement | None = None,
     ) -> tuple[int, int, str]:
         """(leading hits, how many of them only the SSD tier has, why the next one
         missed); hits is -1 for a timed-out or failed ask (counted, logged once)."""
         try:
             present, dram = await asyncio.wait_for(
-                self._present(keys, n, space.layer_groups), timeout_s
+                self._present(keys, n, space.layer_groups, placement), timeout_s
             )
         except TimeoutError:
             self.stats.lookup_timeouts += 1
@@ -170,28 +214,47 @@ class LookupService:
         return hits, hits - min(leading_hits(dram, n, space.columns), hits), why
 
     async def _present(
-        self, keys: list[str], n: int, groups: int = 1
+        self, keys: list[str], n: int, groups: int = 1, placement: Placement | None = None
     ) -> tuple[list[bool], list[bool] | None]:
         """Presence in any tier, and in DRAM alone (None when no lower tier was asked).
-        ``keys`` are ``n`` per column, ``groups`` columns per rank."""
+        ``keys`` are ``n`` per column, ``groups`` columns per rank; each rank's missing
+        keys are asked of the SSD tier its worker loads through (one ask per place)."""
         present = await self.backend.exists(keys)
         if self.lower is None or all(present):
             return present, None
         per_rank = n * groups
         ranks = len(keys) // per_rank if n else 0
-        asks = {
-            r: [i for i in range(r * per_rank, (r + 1) * per_rank) if not present[i]]
-            for r in range(ranks)
-        }
-        asks = {r: idx for r, idx in asks.items() if idx}
+        asks: dict[Place, list[int]] = {}
+        for r, place in enumerate(ssd_places(ranks, placement, self.node_id)):
+            missing = [i for i in range(r * per_rank, (r + 1) * per_rank) if not present[i]]
+            if place is not None and missing:
+                asks.setdefault(place, []).extend(missing)
+        self.ssd_asks.update(asks.keys())
         answers = await asyncio.gather(
-            *(self.lower(r, [keys[i] for i in idx]) for r, idx in asks.items())
+            *(self._on_ssd(place, [keys[i] for i in idx]) for place, idx in asks.items())
         )
         merged = list(present)
         for idx, got in zip(asks.values(), answers, strict=True):
             for i, p in zip(idx, got, strict=True):
                 merged[i] = merged[i] or p
         return merged, present
+
+    async def _on_ssd(self, place: Place, keys: list[str]) -> list[bool]:
+        """``keys`` present in the SSD tier at ``place``; a tier that fails (its node
+        gone, its actor broken) holds nothing the worker there could load: all False,
+        not a failed lookup (the DRAM answer and the other tiers' still count)."""
+        assert self.lower is not None, "_on_ssd without a lower tier: LookupService's bug"
+        try:
+            return await self.lower(place, keys)
+        except KVRayError as exc:
+            self._warn_once(
+                f"ssd:{place.node_id}:{place.slot}",
+                "the SSD tier of slot %d on node %s failed (%s): its blocks count as misses",
+                place.slot,
+                place.node_id[:12],
+                exc,
+            )
+            return [False] * len(keys)
 
     def _warn_once(self, kind: str, msg: str, *args: object) -> None:
         if kind not in self._warned:

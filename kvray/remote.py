@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvray.keys import KeySpace
     from kvray.launcher import NodeActors
     from kvray.ledger import Entries
-    from kvray.lookup import Answer
+    from kvray.lookup import Answer, Placement
     from kvray.shm import RegionSpec
     from kvray.transfer import TransferBatch
 
@@ -223,10 +223,13 @@ class LookupHandle(Handle):
         timeout_s: float,
         want: int = 0,
         wait_s: float = 0.0,
+        placement: Placement | None = None,
     ) -> Call[Answer]:
         """Leading blocks present for every rank; ``want``/``wait_s``: a PD decode
-        instance waits up to ``wait_s`` for ``want`` blocks its prefill is storing."""
-        return self._call("lookup", space, block_hashes, timeout_s, want, wait_s)
+        instance waits up to ``wait_s`` for ``want`` blocks its prefill is storing;
+        ``placement``: where each rank's worker loads through (the SSD tiers asked; None:
+        this node's slot per rank)."""
+        return self._call("lookup", space, block_hashes, timeout_s, want, wait_s, placement)
 
     def probe(self) -> Call[dict[str, Any]]:
         return self._call("probe")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvray.connector.calls import Waits
     from kvray.connector.stats import KVRayConnectorStats
     from kvray.keys import KeySpace
+    from kvray.lookup import Placement
     from kvray.remote import Call, LookupHandle
 
 Warn = Callable[..., None]
@@ -78,13 +79,20 @@ class Lookups:
         self._handle.lookup(self._space, [], self.timeout_s).result(60)
 
     def start(
-        self, req_id: str, hashes: Sequence[bytes], first_block: int, want: int, wait_s: float
+        self,
+        req_id: str,
+        hashes: Sequence[bytes],
+        first_block: int,
+        want: int,
+        wait_s: float,
+        placement: Placement | None = None,
     ) -> PendingLookup:
         """Look up ``hashes`` (the request's, from ``first_block`` on); with ``want``, wait
-        up to ``wait_s`` in the Lookup actor for that many leading blocks (PD)."""
+        up to ``wait_s`` in the Lookup actor for that many leading blocks (PD);
+        ``placement``: where each rank's worker loads through (the SSD tiers to ask)."""
         if want:
             self._stats.add("pd_waits")
-        call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s)
+        call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s, placement)
         pending = PendingLookup(call, time.monotonic(), first_block, self.timeout_s + wait_s, want)
         self._pending[req_id] = pending
         return pending

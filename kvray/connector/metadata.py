@@ -13,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from kvray.lookup import Place
+
 
 @dataclass(frozen=True)
 class KVRayHandshake(KVConnectorHandshakeMetadata):
@@ -23,6 +25,9 @@ class KVRayHandshake(KVConnectorHandshakeMetadata):
     geometries: dict[int, str]
     """Instance rank -> :func:`~kvray.keys.geometry_digest` of the keys the worker stores
     for it (its own rank; each prefill stage's, when split by a prefill's PP stages)."""
+    places: dict[int, Place] = field(default_factory=dict)
+    """Instance rank -> the node and slot the worker loads it through: the SSD tier a
+    lookup asks for that rank's keys."""
 
 
 @dataclass(frozen=True, slots=True)

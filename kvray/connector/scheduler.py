@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvray.launcher import PoolHandles
+    from kvray.lookup import Place, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class KVRayScheduler:
             self._warn_once,
         )
         self._lookups.warm_up()
+        self._placement: Placement | None = None
+        """Instance rank -> where its worker loads through (from the workers' handshake;
+        None: unknown, lookups ask this node's slot per rank)."""
         self._hashes = HashRegistration(pool.manager, info, self._warn_once)
         self._pd = PDParams(info, self._hashes, self.stats, self._warn_once)
         self._reqs: dict[str, RequestState] = {}
@@ -127,8 +131,11 @@ class KVRayScheduler:
                 "MultiConnector's connectors"
             )
         geometries: dict[int, str] = {}
+        places: dict[int, Place] = {}
         for m in ours:
             geometries.update(m.geometries)
+            places.update(m.places)
+        self._use_places(places)
         space = self.info.space
         full = tuple(geometries.get(r, "") for r in range(space.world_size))
         self.info = replace(self.info, space=replace(space, geometries=full))
@@ -146,6 +153,22 @@ class KVRayScheduler:
             space.layout,
             ",".join(full),
         )
+
+    def _use_places(self, places: dict[int, Place]) -> None:
+        """Where each rank's worker loads through (its node and slot): the SSD tier each
+        lookup asks for that rank's keys. Incomplete (a worker that sent none): lookups
+        ask this node's slot per rank, as for a one-node instance, said once."""
+        ranks = self.info.space.world_size
+        missing = [r for r in range(ranks) if r not in places]
+        if missing:
+            self._warn_once(
+                "placement",
+                "KVRayConnector: the workers of ranks %s did not say where they run: SSD "
+                "lookups ask this node's slot per rank (as for a one-node instance)",
+                missing,
+            )
+            return
+        self._placement = {r: places[r] for r in range(ranks)}
 
     def _keys_known(self) -> bool:
         """Lookups need every rank's geometry; without it a lookup would ask for keys no
@@ -165,7 +188,7 @@ class KVRayScheduler:
         want = max(0, self._pd.expected_blocks(request) - first_block)
         hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
         wait_s = self._pd.wait_s if want else 0.0
-        self._lookups.start(request.request_id, hashes, first_block, want, wait_s)
+        self._lookups.start(request.request_id, hashes, first_block, want, wait_s, self._placement)
         clock = self._clock(request)
         if clock.timeline.lookup_sent_ms is None:
             clock.timeline.lookup_sent_ms = clock.now_ms()

@@ -26,7 +26,7 @@ from typing import Any
 from kvray.backends.base import KeyStatus
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.lookup import Answer
+from kvray.lookup import Answer, Placement
 from kvray.remote import CallTimeoutError, LookupHandle, ManagerHandle, StoreHandle
 from kvray.shm import RegionSpec, SharedRegion
 from kvray.transfer import TransferBatch
@@ -183,14 +183,18 @@ class FakeLookup(LookupHandle):
         super().__init__(None, "FakeLookup")
         self.answer: Callable[[list[bytes]], FakeCall] | None = None
         self.asked: list[tuple[list[bytes], float, int, float]] = []
+        self.placements: list[Placement | None] = []
+        """The placement each lookup in ``asked`` sent (which SSD tiers to ask)."""
         self.calls: list[FakeCall] = []
 
     def lookup(self, space: Any, block_hashes: Sequence[bytes], timeout_s: float,  # type: ignore[override]
-               want: int = 0, wait_s: float = 0.0) -> FakeCall:  # fmt: skip
+               want: int = 0, wait_s: float = 0.0,
+               placement: Placement | None = None) -> FakeCall:  # fmt: skip
         hashes = list(block_hashes)
         if not hashes:  # the scheduler's warm-up call
             return FakeCall("FakeLookup.lookup", Answer(0))
         self.asked.append((hashes, timeout_s, want, wait_s))
+        self.placements.append(placement)
         call = self.answer(hashes) if self.answer else FakeCall("FakeLookup.lookup", pending=True)
         self.calls.append(call)
         return call
@@ -223,6 +227,7 @@ class FakePool:
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config or PoolConfig.from_dict({"name": "fake"}, environ={})
         self.server_address = "fake:0"
+        self.node_id = "fake-node"
         self.manager = FakeManager()
         self.stores: dict[int, FakeStore] = {}
         self._lookup = FakeLookup()

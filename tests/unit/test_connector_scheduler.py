@@ -47,9 +47,9 @@ def none_hash(monkeypatch):  # type: ignore[no-untyped-def]
 class Sched:
     """A scheduler side on a fake pool, and the vLLM calls a step makes."""
 
-    def __init__(self, **extra: Any) -> None:
+    def __init__(self, tp_size: int = 1, **extra: Any) -> None:
         cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
-        self.info = InstanceInfo(cfg, KeySpace("unit", LAYOUT), BS, "kv_both")
+        self.info = InstanceInfo(cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both")
         self.pool = FakePool()
         self.lookup = self.pool.lookup()
         self.waits = FakeWaits()
@@ -268,3 +268,29 @@ def test_a_prefill_reports_its_stored_blocks_to_its_decode():
     assert s.step().delayed_frees == ["r1"] and s.sched.has_pending_push_work()
     s.sched.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     assert not s.sched.has_pending_push_work()
+
+
+def test_lookups_carry_where_each_ranks_worker_loads_through(caplog):
+    """Each worker's handshake names its node and slot for the ranks it loads; the
+    scheduler sends them with every lookup, so the Lookup actor asks the SSD tier of each
+    rank's worker (TP across nodes: rank 1's on node B). A worker that named none: lookups
+    ask as before (no placement), said once."""
+    from kvray.connector.metadata import KVRayHandshake
+    from kvray.keys import geometry_digest
+    from kvray.lookup import Place
+
+    g = geometry_digest("p4x16x64", ["l0"])
+    s = Sched(tp_size=2)
+    s.sched.use_handshake(
+        [KVRayHandshake({0: g}, {0: Place("A", 0)}), KVRayHandshake({1: g}, {1: Place("B", 0)})]
+    )
+    s.request("r1", 70)
+    assert s.lookup.placements == [{0: Place("A", 0), 1: Place("B", 0)}]
+
+    s = Sched(tp_size=2)
+    with caplog.at_level(logging.WARNING, "kvray"):
+        s.sched.use_handshake([KVRayHandshake({0: g}, {0: Place("A", 0)}), KVRayHandshake({1: g})])
+        s.request("r1", 70)
+        s.request("r2", 70)
+    assert s.lookup.placements == [None, None]
+    assert caplog.text.count("did not say where they run") == 1

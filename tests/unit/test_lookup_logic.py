@@ -96,7 +96,7 @@ def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
     import asyncio
 
     from kvray.keys import KeySpace
-    from kvray.lookup import LookupService
+    from kvray.lookup import LookupService, Place
 
     space = KeySpace("m", "float32-b16-h1x8", tp_size=2, pp_size=1, layer_groups=2)
     hashes = [bytes([i]) * 16 for i in range(3)]
@@ -106,14 +106,14 @@ def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
     ssd_asks: list[tuple[int, list[str]]] = []
     on_ssd = set(space.rank_key_strs(hashes[1:2], 1, 1))  # rank 1 group 1: block 1 on SSD
 
-    async def lower(rank: int, keys: list[str]) -> list[bool]:
-        ssd_asks.append((rank, keys))
+    async def lower(place: Place, keys: list[str]) -> list[bool]:
+        ssd_asks.append((place, keys))
         return [k in on_ssd for k in keys]
 
-    service = LookupService(backend, lower)  # type: ignore[arg-type]
+    service = LookupService(backend, lower, node_id="n0")  # type: ignore[arg-type]
     # block 2: rank 1 group 1 lacks it, the other columns have it
     assert asyncio.run(service.lookup(space, hashes, 1.0)) == (2, "partial_ranks")
-    assert [rank for rank, _ in ssd_asks] == [1]
+    assert [place for place, _ in ssd_asks] == [Place("n0", 1)]  # no placement: slot = rank
     assert set(ssd_asks[0][1]) == set(space.rank_key_strs(hashes[1:], 1, 1))
     assert service.stats.lookup_ssd_blocks == 1
     backend.keys = every - {space.rank_key_strs(hashes, 0, 0)[0]}  # rank 0 group 0: block 0
@@ -189,3 +189,127 @@ def test_ledger_followers_catch_up_and_forget_the_oldest():
     assert full and sorted(d for d, _, _ in entries) == [16, 17, 18, 19]
     follower.apply(entries, full)
     assert follower.state(2) is Seen.NEVER and follower.state(17) is Seen.STORED
+
+
+# ---- which SSD tier a lookup asks, per key column (issue 25 item 4) --------------------
+
+
+class FakeSsdTiers:
+    """FAKE: the SSD offload actors of a cluster, by (node, slot): each holds the keys its
+    worker stored. A place with no actor holds nothing (as the Lookup actor answers for
+    an actor it cannot find); ``broken`` places fail like a dead actor."""
+
+    def __init__(self) -> None:
+        from kvray.lookup import Place
+
+        self.keys: dict[Place, set[str]] = {}
+        self.asks: list[Place] = []
+        self.broken: set[Place] = set()
+
+    async def exists(self, place, keys: list[str]) -> list[bool]:  # type: ignore[no-untyped-def]
+        from kvray.errors import BackendUnavailableError
+
+        self.asks.append(place)
+        if place in self.broken:
+            raise BackendUnavailableError(f"SsdOffload at {place}: pool actor unavailable")
+        held = self.keys.get(place, set())
+        return [k in held for k in keys]
+
+
+def _ssd_only(space, hashes, where):  # type: ignore[no-untyped-def]
+    """Blocks held ONLY on SSD (DRAM evicted): rank r's keys in the tier at where[r]."""
+    from kvray.lookup import LookupService
+
+    tiers = FakeSsdTiers()
+    for rank, place in where.items():
+        tiers.keys.setdefault(place, set()).update(space.rank_key_strs(hashes, rank))
+    dram = FakeExists()  # empty: every block was evicted from DRAM after its offload
+    return LookupService(dram, tiers.exists, node_id="A"), tiers  # type: ignore[arg-type]
+
+
+def test_ssd_places_per_rank_follow_the_workers_placement():
+    from kvray.lookup import Place, ssd_places
+
+    # unknown (Pool API callers, workers that did not say): this node, slot = rank
+    assert ssd_places(3, None, "A") == [Place("A", 0), Place("A", 1), Place("A", 2)]
+    # TP=2 across nodes: rank 1's worker is slot 0 of node B
+    placement = {0: Place("A", 0), 1: Place("B", 0)}
+    assert ssd_places(2, placement, "A") == [Place("A", 0), Place("B", 0)]
+    # a rank nobody placed: nothing on SSD its worker could load
+    assert ssd_places(3, placement, "A") == [Place("A", 0), Place("B", 0), None]
+
+
+def test_tp_across_nodes_asks_each_ranks_node():
+    """TP=2, rank 0 on node A slot 0, rank 1 on node B slot 0 (the Lookup actor runs on
+    A): rank 1's SSD blocks are on B's disk. Asked where each worker loads through, all
+    hit; asked as before the fix (this node, slot = rank: A's slot 1, which has no tier),
+    rank 1's column misses."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import Place
+
+    space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    where = {0: Place("A", 0), 1: Place("B", 0)}
+    service, tiers = _ssd_only(space, hashes, where)
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (3, "")
+    assert sorted(tiers.asks) == [Place("A", 0), Place("B", 0)]
+    assert service.stats.lookup_ssd_blocks == 3
+    assert service.ssd_asks == {Place("A", 0): 1, Place("B", 0): 1}
+    tiers.asks.clear()
+    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (0, "partial_ranks")
+    assert sorted(tiers.asks) == [Place("A", 0), Place("A", 1)]  # the old choice
+
+
+def test_dp_ranks_on_one_node_ask_the_slot_their_worker_loads_through():
+    """DP=2, TP=1 on one GPU node: DP rank 1's worker is TP rank 0 but loads through slot
+    1 (vLLM's local rank of DP rank 1). Blocks it stored sit in slot 1's SSD tier: its
+    lookup must ask slot 1 (hit), DP rank 0's must ask slot 0, whose worker could not load
+    them (miss, not a hit that fails its load). Before the fix both asked slot 0."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import Place
+
+    space = KeySpace("m", "float32-b16-h1x8")
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    dp1, dp0 = {0: Place("A", 1)}, {0: Place("A", 0)}
+    service, tiers = _ssd_only(space, hashes, dp1)
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=dp1)) == (4, "")
+    assert tiers.asks == [Place("A", 1)]
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=dp0)).hits == 0
+    assert tiers.asks[-1] == Place("A", 0)
+    assert asyncio.run(service.lookup(space, hashes, 1.0)).hits == 0  # before: slot 0
+
+
+def test_an_unplaced_rank_or_a_failing_tier_is_a_miss_never_a_failed_lookup(caplog):
+    """A rank without a place is not asked (its column is not on SSD); an SSD tier that
+    fails (its node died) makes its keys misses, said once, while the DRAM answer and the
+    other tiers still count."""
+    import asyncio
+
+    from kvray.keys import KeySpace
+    from kvray.lookup import Place
+
+    space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
+    hashes = [bytes([i]) * 16 for i in range(2)]
+    where = {0: Place("A", 0), 1: Place("B", 0)}
+    service, tiers = _ssd_only(space, hashes, where)
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement={0: where[0]})) == (
+        0,
+        "partial_ranks",
+    )
+    assert tiers.asks == [Place("A", 0)]
+    tiers.broken.add(Place("B", 0))
+    for _ in range(2):
+        assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (
+            0,
+            "partial_ranks",
+        )
+    assert service.stats.lookup_errors == 0 and service.stats.lookup_timeouts == 0
+    said = [r for r in caplog.records if "SSD tier of slot 0 on node B failed" in r.message]
+    assert len(said) == 1, "said once, then only counted"
+    # rank 1's blocks also in DRAM: a hit, whatever B's tier does
+    service.backend.keys.update(space.rank_key_strs(hashes, 1))  # type: ignore[attr-defined]
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (2, "")

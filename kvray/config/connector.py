@@ -72,8 +72,12 @@ class ConnectorConfig(_Strict):
     answer arrives. Other requests keep running meanwhile; after the wait, what the pool
     has is loaded and the rest recomputed. 0: never wait."""
     model_namespace: str | None = Field(None, pattern=r"^[^\s@]{1,200}$")
-    """First part of every block key; default: the model directory's or id's last part.
-    Engines share blocks only under the same namespace (and KV layout)."""
+    """First part of every block key. Default: the model directory's or id's last part and
+    a digest of the model (sampled weight content, effective config, KV cache dtype:
+    ``tiny-llama-m0f1e2d3c4b5a``), so different checkpoints never share keys. Engines share
+    blocks only under the same namespace (and KV layout and block geometry): set it to
+    share keys across checkpoints on purpose, at the risk of loading one model's KV into
+    another."""
     kv_placement: Literal["auto", "shared", "staged"] = "auto"
     """Where the KV bytes move from and to. ``shared``: the engine's KV cache itself lives
     in shared memory (CPU engines; no copy at all). ``staged``: the KV cache lives

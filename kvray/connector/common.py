@@ -107,8 +107,7 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         )
     dtype = str(spec.dtype).removeprefix("torch.")
     layout = KVLayout(dtype, spec.block_size, spec.num_kv_heads, spec.head_size).tag()
-    model = vllm_config.model_config.model.rstrip("/")
-    namespace = cfg.model_namespace or os.path.basename(model) or model
+    namespace = cfg.model_namespace or default_namespace(vllm_config)
     parallel = vllm_config.parallel_config
     # A non-PP instance (a decode node) storing for a PP prefill keys each block's layers
     # by the prefill stage that owns them, so each prefill stage finds its part.
@@ -135,6 +134,27 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         * parallel.pipeline_parallel_size
         * max(1, parallel.data_parallel_size_local),
     )
+
+
+def default_namespace(vllm_config: VllmConfig) -> str:
+    """``<model dir's last part>-m<digest of weights, effective config, KV cache dtype>``
+    (:mod:`kvray.model_identity`): two checkpoints never share keys by default, and
+    byte-identical copies do wherever they are. Logged once per process."""
+    from kvray.model_identity import model_identity
+
+    identity = model_identity(vllm_config)
+    namespace = identity.namespace(vllm_config.model_config.model)
+    if namespace not in _logged:
+        _logged.add(namespace)
+        logger.info(
+            "kvray: key namespace %s (model digest m%s: weights %s; config and KV cache dtype "
+            "%s); set model_namespace to share keys with another checkpoint on purpose",
+            namespace,
+            identity.digest,
+            identity.weights,
+            identity.config,
+        )
+    return namespace
 
 
 def check_host_transfers(pool: PoolConfig) -> None:

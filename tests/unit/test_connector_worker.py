@@ -313,3 +313,21 @@ def test_keys_carry_the_block_geometry_the_scheduler_is_told(engine, placement):
     e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
     e.worker.get_finished(set())
     assert e.store.objects and all(f"@g{expected}@tp0@" in k for k in e.store.objects)
+
+
+def test_the_handshake_names_the_node_and_slot_the_worker_loads_through(monkeypatch):
+    """DP rank 1's worker on a GPU node is TP rank 0 but local rank 1: it moves blocks
+    through slot 1's client (and SSD tier), and tells the scheduler so for its rank."""
+    from kvray.lookup import Place
+
+    monkeypatch.setattr(worker_mod, "_rank", lambda: (0, 0, 1))  # TP 0, PP 0, local 1
+    config = PoolConfig.from_dict({"name": "fake", "world_size": 2}, environ={})
+    pool = FakePool(config)
+    w = KVRayWorker(_info("staged"), pool, FakeWaits())
+    try:
+        w.register_kv_caches(_kv_caches(w, "staged"))
+        assert w.handshake().places == {0: Place("fake-node", 1)}  # type: ignore[union-attr]
+        assert set(pool.stores) == {1}, "it loads through slot 1's client"
+    finally:
+        w.shutdown()
+        pool.close()

@@ -93,9 +93,42 @@ def check_pool(
     ``hash_seed``: also advise on ``PYTHONHASHSEED`` (``kvray doctor``; an engine checks
     its actual hash fingerprint instead, and ``kvray up``'s own seed does not matter)."""
     out = spec_of(cfg.backend).doctor_checks(cfg, env, host)
+    out += checksum_findings(cfg)
     if hash_seed:
         out += _hash_seed(env)
     return out
+
+
+def checksum_findings(cfg: PoolConfig) -> list[Finding]:
+    """Whether loads are verified: every host-memory path by default; never on a path
+    that moves device memory (no trailer there), nor with ``checksum: false``."""
+    device = spec_of(cfg.backend).device_setting(cfg)
+    if device is not None:
+        return [
+            Finding(
+                "warning",
+                "checksums",
+                f"{device.field} is {device.value!r}: blocks move in device memory, which "
+                "carries no checksum trailer, so loads are not verified",
+                "a block corrupted in the backend (memory, transfer, a backend bug) would "
+                "reach the engine as it is",
+                f"set {device.field} {device.host_value!r} where verified loads matter "
+                "(KVRayConnector's staged placement moves blocks through host memory)",
+            )
+        ]
+    if not cfg.checksum:
+        return [
+            Finding(
+                "warning",
+                "checksums",
+                "checksum is false: loads are not verified",
+                "a block corrupted in the backend's memory, transfers or SSD offload, or "
+                "served wrong by a backend bug, is loaded into the engine as it is",
+                "remove checksum: false (the default verifies every load; its cost is in "
+                "docs/reliability.md)",
+            )
+        ]
+    return [Finding("ok", "checksums", "every load is verified (xxh3-64 trailer per block)")]
 
 
 def mooncake_checks(pool: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:

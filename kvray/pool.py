@@ -123,6 +123,20 @@ def _empty_like(shape: Sequence[int], dtype: Any) -> Any:
     return np.empty(tuple(shape), dtype=dtype)
 
 
+def _say_if_unverified(config: PoolConfig) -> None:
+    """Loads this client makes are verified unless the pool moves device memory or opted
+    out (``checksum: false``): said once per process and pool when they are not."""
+    from kvray.doctor import checksum_findings
+
+    for f in checksum_findings(config):
+        if f.level != "ok" and config.name not in _unverified_said:
+            _unverified_said.add(config.name)
+            logger.warning("kvray pool %r: %s (%s)", config.name, f.what, f.why)
+
+
+_unverified_said: set[str] = set()
+
+
 class Pool:
     """A client of one running kvray pool."""
 
@@ -134,6 +148,7 @@ class Pool:
         self._window: SharedRegion | None = None
         self._window_lock = asyncio.Lock()
         self._closed = False
+        _say_if_unverified(handles.config)
         # A process that exits without close() leaves nothing: its regions are memory
         # files the kernel frees, and the actors drop their mappings once it is gone.
 

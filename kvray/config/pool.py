@@ -89,14 +89,18 @@ class PoolConfig(_Strict):
     segment. The first copy goes to the writer's own segment."""
     io_threads: int = Field(4, ge=1, le=64)
     """Threads each BackendClient uses for the backend's blocking batch calls."""
-    checksum: bool = False
+    checksum: bool = True
     """Every block stored in the backend carries an xxh3-64 of its key and bytes (an
     8-byte trailer written with it), checked on every load before the engine may use the
     bytes: a mismatch is a failed load (recomputed), counted, and the block is removed.
-    Off by default: on the 2-core test machine it costs more than 5 % of the load rate
-    (docs/reliability.md, "Block checksums"). All clients of a pool agree (the setting is the
-    pool's). The SSD tier checks its own files either way; the NPU device path
-    (``yuanrong.device: npu``) has no trailer."""
+    On by default: a cache must never serve wrong bytes, and what users pay is a fraction
+    of a millisecond of a hit's TTFT (docs/reliability.md, "Block checksums").
+    ``false`` opts out: a block corrupted in the backend's memory, its transfers or its
+    native SSD offload (or served wrong by a backend bug, as Mooncake's batch get once
+    did) is then loaded into the engine as it is. All clients of a pool agree (the setting
+    is the pool's). The SSD tier checks its own files either way. Paths that move device
+    memory (``yuanrong.device: npu``, ``memcache.region: device``) have no trailer:
+    ``kvray doctor`` says so."""
     transfer_window_size: ByteSize = 64 * MiB
     """Shared-memory staging window per Pool client and rank (copies of foreign tensors)."""
     call_timeout_s: float = Field(60.0, gt=0)

@@ -166,3 +166,19 @@ def test_cli_exit_code_and_up_refuses_on_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_connect", lambda args: pytest.fail("up connected despite errors"))
     assert cli.main(["up", "--config", str(bad)]) == 2
     assert "refusing to start the pool" in capsys.readouterr().err
+
+
+def test_checksums_are_on_by_default_and_their_absence_is_said():
+    default = pool(mooncake={"protocol": "tcp"})
+    assert default.checksum is True
+    found = doctor.check_pool(default, {}, HOST)
+    assert [f.level for f in found if f.check == "checksums"] == ["ok"]
+    off = doctor.check_pool(pool(mooncake={"protocol": "tcp"}, checksum=False), {}, HOST)
+    (w,) = warnings(off, "checksums")
+    assert "checksum is false" in w.what and "remove checksum: false" in w.fix
+    for data in (
+        {"backend": "yuanrong", "yuanrong": {"device": "npu"}},
+        {"backend": "memcache", "memcache": {"region": "device"}},
+    ):
+        (w,) = warnings(doctor.check_pool(pool(**data), {}, HOST), "checksums")
+        assert "no checksum trailer" in w.what, w.line()

@@ -33,10 +33,11 @@ def tiny_model(tmp_path_factory):
 
 
 def start_pool(  # type: ignore[no-untyped-def]
-    name: str, world_size: int, segment: str, backend: str = "mooncake", checksum: bool = False
+    name: str, world_size: int, segment: str, backend: str = "mooncake", checksum: bool = True
 ):
     """A pool with its embedded server: a mooncake_master (each rank contributes
-    ``segment``) or a datasystem worker (``segment`` of shared memory in all)."""
+    ``segment``) or a datasystem worker (``segment`` of shared memory in all); block
+    checksums on, as by default."""
     from kvray import Pool, PoolConfig
 
     data: dict = {
@@ -55,9 +56,9 @@ def start_pool(  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    """The pool of most e2e tests, with block checksums on: every load they make is
-    verified (test_connector has the test where one fails)."""
-    p = start_pool("e2e", 1, "256MB", checksum=True)
+    """The pool of most e2e tests, with block checksums on (the default): every load they
+    make is verified (test_connector has the test where one fails)."""
+    p = start_pool("e2e", 1, "256MB")
     yield p
     p.shutdown()
 

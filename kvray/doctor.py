@@ -404,8 +404,20 @@ def check_reachable(cfg: PoolConfig, timeout_s: float = 2.0) -> list[Finding]:
 
 
 def check_fingerprints(status_fingerprints: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
-    """Hash domains a running pool saw per model (``PoolStatus.fingerprints``)."""
+    """Hash domains a running pool saw per model (``PoolStatus.fingerprints``), and the
+    models' key spaces (the namespace carries the model digest)."""
     out = []
+    if status_fingerprints:
+        out.append(
+            Finding(
+                "ok",
+                "model key spaces",
+                ", ".join(sorted(status_fingerprints)),
+                "engines share blocks only within one key space: a namespace is the model "
+                "dir's name and digest (weights, config, KV cache dtype) unless "
+                "model_namespace set it",
+            )
+        )
     for keys, domains in status_fingerprints.items():
         if len(domains) > 1:
             each = "; ".join(

@@ -168,6 +168,10 @@ class PoolStatus:
                 "missed blocks by reason: "
                 + ", ".join(f"{r.replace('_', ' ')} {n}" for r, n in misses.items())
             )
+        if self.fingerprints:
+            # namespace@layout of every engine that attached: the namespace names the model
+            # and its digest (weights, config, KV cache dtype), unless model_namespace set it.
+            lines.append("model key spaces: " + ", ".join(sorted(self.fingerprints)))
         for keys, domains in self.hash_mismatches().items():
             each = "; ".join(
                 f"{d.get('hash_algo')} seeded by {d.get('seed_source')} "

@@ -16,8 +16,11 @@ as written), and device memory (the NPU device path stores no trailer).
 
 Trailers live in a small registered arena of this client (8 bytes per key in flight).
 Digests run on threads of their own (xxhash releases the GIL) in chunks of
-~:data:`CHUNK_BYTES`: a chunk's digests are computed while the next chunk's bytes move.
-Cost: see docs/reliability.md, "Block checksums" (bench_store's "checksum cost").
+~:data:`CHUNK_BYTES`: a chunk's digests are computed while the next chunk's bytes move,
+and a chunk's keys are split across the threads (a hit of a few MiB is verified by all of
+them at once, right after its bytes landed, while they are still in cache). Cost: see
+docs/reliability.md, "Block checksums" (bench_ttft's checksum rows, bench_store's
+"checksum cost").
 """
 
 from __future__ import annotations
@@ -106,6 +109,24 @@ def _chunks(sizes: Pieces) -> list[tuple[int, int]]:
     return bounds
 
 
+def _runs(sizes: Pieces, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of ``sizes``' items, at most ``parts``, of about equal bytes."""
+    total = sum(sum(s) for s in sizes)
+    if parts <= 1 or total == 0:
+        return [(0, len(sizes))]
+    target = total / parts
+    bounds: list[tuple[int, int]] = []
+    lo, acc = 0, 0
+    for i, s in enumerate(sizes):
+        acc += sum(s)
+        if acc >= target * (len(bounds) + 1) and len(bounds) < parts - 1:
+            bounds.append((lo, i + 1))
+            lo = i + 1
+    if lo < len(sizes):
+        bounds.append((lo, len(sizes)))
+    return bounds
+
+
 class ChecksummedBackend(Backend):
     """``inner`` with a checksum trailer on every value (see the module)."""
 
@@ -113,12 +134,22 @@ class ChecksummedBackend(Backend):
         self.inner = inner
         self.name = inner.name
         self._arena = _Arena(inner)
+        self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvray-checksum")
         self.corrupt = 0
         """Blocks whose bytes failed their checksum on a load, since start."""
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _split(self, fn: Any, n: int, sizes: Pieces, *args: Sequence[Any]) -> list[Any]:
+        """``fn(*args)`` over the ``n`` items of ``args``, cut into one run of about equal
+        bytes per thread, the runs at once; their results in order."""
+        runs = _runs(sizes, self._threads) if n > 1 else [(0, n)]
+        parts = await asyncio.gather(
+            *(self._in_thread(fn, *(a[lo:hi] for a in args)) for lo, hi in runs)
+        )
+        return [x for part in parts for x in (part or [])]
 
     @staticmethod
     def _seal(keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Sequence[int]) -> None:
@@ -175,7 +206,7 @@ class ChecksummedBackend(Backend):
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
     ) -> list[KeyStatus]:
         async def chunk(k: Sequence[str], p: Pieces, s: Pieces, t: Slots) -> list[KeyStatus]:
-            await self._in_thread(self._seal, k, p, s, t)
+            await self._split(self._seal, len(k), s, k, p, s, t)
             return await self.inner.put(k, *self._with_trailers(p, s, t), overwrite=overwrite)
 
         return await self._pipelined(keys, ptrs, sizes, chunk) if keys else []
@@ -185,7 +216,9 @@ class ChecksummedBackend(Backend):
             statuses = await self.inner.get(k, *self._with_trailers(p, s, t))
             if KeyStatus.OK not in statuses:
                 return statuses
-            checked: list[KeyStatus] = await self._in_thread(self._check, k, p, s, t, statuses)
+            checked: list[KeyStatus] = await self._split(
+                self._check, len(k), s, k, p, s, t, statuses
+            )
             return checked
 
         if not keys:

@@ -131,9 +131,11 @@ def test_hash_seed_advice_and_a_running_pool_mismatch():
     ]
     one = {"hash_algo": "sha256", "seed_source": "PYTHONHASHSEED"}
     fps = {"m@l": {"a": {**one, "instances": 2}, "b": {**one, "instances": 1}}}
-    (e,) = doctor.check_fingerprints(fps)
-    assert e.level == "error" and "hashed 2 ways" in e.what
-    assert doctor.check_fingerprints({"m@l": {"a": {}}}) == []
+    (e,) = errors(doctor.check_fingerprints(fps), "hash seed")
+    assert "hashed 2 ways" in e.what
+    (ok,) = doctor.check_fingerprints({"tiny-m0123456789ab@l": {"a": {}}})
+    assert (ok.level, ok.check) == ("ok", "model key spaces")
+    assert "tiny-m0123456789ab@l" in ok.what
 
 
 def test_unreachable_external_server():

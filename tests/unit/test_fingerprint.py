@@ -42,6 +42,7 @@ def test_status_table_shows_a_mismatch_only_when_there_is_one():
     two = fingerprint("sha256", b"\x02", {"PYTHONHASHSEED": "2"}).as_dict() | {"instances": 1}
     status.fingerprints = {"m@float32-b128-h4x64": {one["hash_domain"]: one}}
     assert status.hash_mismatches() == {} and "HASH MISMATCH" not in status.table()
+    assert "model key spaces: m@float32-b128-h4x64" in status.table()
     status.fingerprints["m@float32-b128-h4x64"][two["hash_domain"]] = two
     assert list(status.hash_mismatches()) == ["m@float32-b128-h4x64"]
     table = status.table()

@@ -1,7 +1,10 @@
-"""The soak under faults, CI-sized (scripts/soak.py, 60 s of 4 concurrent clients with a
-fault every ~4 s: each kind injected at least once): every completed request's greedy
-tokens equal the run without kvray, none fails or waits past the bound, and nothing is
-left behind. docs/reliability.md has the long run's counts."""
+"""The soak under faults, CI-sized: scripts/soak.py's full run with smaller arguments
+(40 s of 4 concurrent clients, a fault every ~2 s), once with the pool's block checksums
+on and once off. Every completed request's greedy tokens equal the run without kvray,
+none fails or waits past the bound, nothing is left behind, and every fault kind was
+*injected*: each one shows its effect (a PID that changed and a restart Ray counted,
+removed blocks that no longer exist, files that changed, bytes a fill wrote).
+docs/reliability.md has the long run's counts."""
 
 from __future__ import annotations
 
@@ -14,22 +17,55 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).parents[2]
+KINDS = {"kill_client", "kill_master", "remove_blocks", "corrupt_ssd", "pool_full", "shm_full"}
 
 
 @pytest.mark.timeout(900)
-def test_soak_under_faults(tmp_path):
-    out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "60",
-           "--fault-every", "4", "--hold", "2", "--json", str(out)]  # fmt: skip
+@pytest.mark.parametrize("checksum", ["on", "off"])
+def test_soak_under_faults(tmp_path: Path, checksum: str) -> None:
+    out, requests = tmp_path / "soak.json", tmp_path / "requests.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "40",
+           "--fault-every", "2", "--hold", "1", "--ram-reserve", str(6 << 30),
+           "--checksum", checksum,
+           "--json", str(out), "--requests-json", str(requests)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, cwd=ROOT)
     report = proc.stdout[proc.stdout.find("soak:") :]
     assert proc.returncode == 0, f"{report}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert result["failures"] == []
-    injected = {kind for _, kind, _ in result["faults"]}
-    kinds = set(result["meta"]["faults"].split(","))  # soak.py's default: every kind
-    assert len(kinds) == 6 and injected == kinds, f"faults injected: {sorted(injected)}\n{report}"
-    done = [r for r in result["requests"] if "error" not in r]
-    assert len(done) == len(result["requests"]) > 100
-    assert all(r["ok"] for r in done)
+    assert result["failures"] == [], report
+    assert result["meta"]["checksum"] == checksum
+    assert result["meta"]["pool_checksum"] is (checksum == "on")
+
+    # Every kind injected, each with the evidence of its effect.
+    assert set(result["faults_by_kind"]) == KINDS
+    assert all(
+        n["injected"] >= 1 and n["not_shown"] == 0 for n in result["faults_by_kind"].values()
+    )
+    seen: dict[str, list[dict]] = {}
+    for fault in result["faults"]:
+        assert fault["ok"] and fault["error"] is None, fault
+        seen.setdefault(fault["kind"], []).append(fault["evidence"])
+    assert set(seen) == KINDS, report
+    for e in seen["kill_client"]:
+        assert e["pid_after"] != e["pid_before"] and e["old_pid_gone"], e
+        assert e["ray_restarts_after"] > e["ray_restarts_before"], e
+    for e in seen["kill_master"]:
+        assert e["pid_after"] != e["pid_before"] and e["old_pid_gone"], e
+        assert e["restarts_after"] > e["restarts_before"], e
+    for e in seen["remove_blocks"]:
+        assert e["removed"] > 0 and e["exist_after"] == 0, e
+    for e in seen["corrupt_ssd"]:
+        assert e["files"], e
+    for e in seen["pool_full"]:
+        assert e["acknowledged_bytes"] > 0, e
+        assert e["dram_put_bytes"] >= e["segment_bytes"] or e["dram_refused_full"] > 0, e
+    for e in seen["shm_full"]:
+        assert e["allocated_bytes"] >= e["fill_bytes"] > 0, e
+
+    # The oracle: every request completed with the no-connector run's tokens.
+    counts = result["requests"]
+    assert counts["total"] == counts["completed"] > 100, report
+    assert counts["wrong"] == counts["failed"] == counts["slow"] == 0, report
+    rows = json.loads(requests.read_text())["requests"]
+    assert len(rows) == counts["total"] and all(r["ok"] for r in rows)
     assert result["blocks"]["loaded"] > 0, "no request loaded anything from the pool"

@@ -168,7 +168,11 @@ class KVRayScheduler:
                 missing,
             )
             return
-        self._placement = {r: places[r] for r in range(ranks)}
+        self._placement = places = {r: places[r] for r in range(ranks)}
+        logger.info(
+            "KVRayConnector scheduler: SSD lookups ask, per rank, %s",
+            ", ".join(f"rank {r}: slot {p.slot} of node {p.node_id}" for r, p in places.items()),
+        )
 
     def _keys_known(self) -> bool:
         """Lookups need every rank's geometry; without it a lookup would ask for keys no

@@ -3,6 +3,10 @@ joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSO
 
     node_driver.py nodes                       the cluster's alive nodes
     node_driver.py start POOL [REPLICAS]       start a detached pool (clients on this node)
+    node_driver.py start-ssd POOL PATH         the same with kvray's SSD tier (mooncake|ssd)
+                                               under PATH (a node-local path: each node's)
+    node_driver.py drop-dram POOL              remove every block from Mooncake's DRAM
+                                               (the SSD tier keeps its copies)
     node_driver.py put POOL KEY SEED [N]       put N random bytes (seeded) under KEY
     node_driver.py get POOL KEY SEED [N]       get KEY; compare with the seeded bytes
     node_driver.py status POOL                 the pool's status dict
@@ -36,19 +40,33 @@ def main() -> int:
         return 0
     from kvray import Pool
 
-    if cmd == "start":
-        pool = Pool.start(
-            {
-                "name": args[0],
-                "world_size": 1,
-                "detached": True,
-                "replica_num": int(args[1]) if len(args) > 1 else 1,
-                "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
-                # the master drops a dead node's segment (and the copies in it) after 2 s
-                "master": {"client_ttl_s": 2},
-            }
-        )
+    if cmd in ("start", "start-ssd"):
+        config: dict[str, object] = {
+            "name": args[0],
+            "world_size": 1,
+            "detached": True,
+            "replica_num": int(args[1]) if cmd == "start" and len(args) > 1 else 1,
+            "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
+            # the master drops a dead node's segment (and the copies in it) after 2 s
+            "master": {"client_ttl_s": 2},
+        }
+        if cmd == "start-ssd":
+            config["pipeline"] = "mooncake|ssd"
+            config["ssd"] = {"path": args[1], "quota": "256MB", "io_threads": 2}
+        pool = Pool.start(config)
         out = {"node": me, "server": pool.server_address}
+        pool.close()
+    elif cmd == "drop-dram":
+        # A raw Mooncake client (no memory of its own) empties the DRAM tier, as an
+        # eviction of every block would: what stays is in the nodes' SSD tiers.
+        from mooncake.store import MooncakeDistributedStore
+
+        pool = Pool.attach(args[0])
+        raw = MooncakeDistributedStore()
+        rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.server_address)
+        assert rc == 0, f"mooncake setup against {pool.server_address} failed: {rc}"
+        out = {"node": me, "removed": int(raw.remove_all(True))}
+        raw.close()
         pool.close()
     elif cmd in ("put", "get"):
         pool = Pool.attach(args[0])

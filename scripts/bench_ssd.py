@@ -24,6 +24,7 @@ memory. kvray is compared with the strongest raw path (writes: of the same durab
 Every rep is in the JSON.
 
     .venv/bin/python scripts/bench_ssd.py --json bench-results/bench_ssd.json
+    .venv/bin/python scripts/bench_ssd.py --smoke --json /tmp/bench_ssd.json
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import parse  # noqa: E402
 from _engines import run_meta  # noqa: E402
+
+SMOKE = ["--blocks", "16", "--block-kib", "64"]
+"""``--smoke``: 1 MiB per path instead of 256 MiB, the same paths, reps and JSON keys."""
 
 
 def log(msg: str) -> None:
@@ -210,7 +215,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=4, help="SSD tier io_threads")
     parser.add_argument("--dir", default="/var/tmp", help="a directory on the disk under test")
     parser.add_argument("--json", type=Path, help="write results here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     if args.reps < 3:
         parser.error("--reps must be >= 3 (medians of fewer are noise)")
     import ray
@@ -285,8 +290,10 @@ def main() -> int:
                 f">= {blocks * (args.reps + 1)}: the loads did not come from SSD"
             )
     finally:
-        for x in (*raws.values(), *tiers.values()):
-            x.close()
+        for r in raws.values():
+            r.close()
+        for t in tiers.values():
+            t.close()
         if pool is not None:
             pool.shutdown()
         ray.shutdown()
@@ -312,11 +319,11 @@ def main() -> int:
     for x in names:
         cells = []
         for op in ("write", "read"):
-            t = times[x][op]
-            if not t:
+            reps = times[x][op]
+            if not reps:
                 cells.append("")
                 continue
-            half = (max(t) - min(t)) / statistics.median(t) / 2
+            half = (max(reps) - min(reps)) / statistics.median(reps) / 2
             cells.append(f"{gbps[x][op]:>7.2f} ±{half:3.0%}")
         rel = f"{vs(x, 'write'):>7}{vs(x, 'read'):>7}" if x.startswith("kvray") else ""
         print(f"{x:<22}{cells[0]:>13}{cells[1]:>13}{rel}")

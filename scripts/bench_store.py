@@ -14,11 +14,11 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
   (``--io-threads``, its ``io_threads``);
 - ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region (one
   Ray call per batch, bytes moved by the rank's BackendClient actor, nothing through
-  Ray's object store);
+  Ray's object store), on a pool with ``checksum: false``;
 - ``kvray staged``: the same for ordinary arrays, copied through the staging window;
 - ``kvray checksum`` / ``kvray multi checksum``: the same as ``kvray`` and ``kvray
-  multi`` on a second pool with ``checksum: true``: the difference is what the block
-  checksums cost, printed as "checksum cost" (median of the per-rep ratios);
+  multi`` on a second pool with ``checksum: true`` (the default): the difference is what
+  the block checksums cost, printed as "checksum cost" (median of the per-rep ratios);
 - ``raw multi`` / ``raw multi xN`` / ``kvray multi``: the same bytes with each block in
   ``2 x --layers`` pieces laid out as vLLM's per-layer KV tensors hold them, the
   connector's real transfers (``kvray multi`` sends the very ``TransferBatch`` the
@@ -36,6 +36,7 @@ raw Mooncake client in the B driver process (``batch_get_into`` from A's segment
 baseline) fetch them, reps interleaved, every rep recorded.
 
     .venv/bin/python scripts/bench_store.py --json bench-results/bench_store.json
+    .venv/bin/python scripts/bench_store.py --smoke --json /tmp/bench_store.json
     .venv/bin/python scripts/bench_store.py --cross-node --json bench-results/bench_cross_node.json
     .venv/bin/python scripts/bench_store.py --backend yuanrong \
         --json bench-results/bench_store_yuanrong.json
@@ -61,11 +62,18 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 import numpy as np  # noqa: E402
 
+from kvray.backends.base import KeyStatus  # noqa: E402
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
+from kvray.remote import StoreHandle  # noqa: E402
+from kvray.shm import RegionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import parse  # noqa: E402
 from _engines import run_meta  # noqa: E402
 from _raw_clients import RawMooncake, RawYuanrong, raw_exists_ms  # noqa: E402
+
+SMOKE = ["--blocks", "32", "--block-kib", "64", "--lookup-reps", "5"]
+"""``--smoke``: 2 MiB per path instead of 500 MiB, the same paths, reps and JSON keys."""
 
 
 def log(msg: str) -> None:
@@ -243,6 +251,15 @@ def cross_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def region_spec(pool: Any, view: np.ndarray) -> RegionSpec:
+    """The descriptor of the pool's shared region ``view`` lies in (what the connector's
+    worker sends in a ``TransferBatch``)."""
+    found = pool._region_of(view)  # noqa: SLF001 - the connector's descriptors
+    assert found is not None, "the array is not in one of the pool's shared regions"
+    spec: RegionSpec = found[0].spec
+    return spec
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=None, help="default 1000 (256 cross-node)")
@@ -259,7 +276,7 @@ def main() -> int:
     )
     parser.add_argument("--xn-role", choices=["store", "fetch", "down"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write results here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     if args.reps < 3:
         parser.error("--reps must be >= 3 (medians of fewer are noise)")
     if args.blocks is None:
@@ -309,6 +326,7 @@ def main() -> int:
         "detached": False,
         "io_threads": threads,
         "transfer_window_size": "64MB",
+        "checksum": False,  # the paths without checksums; "... checksum": the default
     }
     if backend == "mooncake":
         pool_cfg["mooncake"] = {"global_segment_size": segment, "local_buffer_size": "64MB"}
@@ -326,26 +344,25 @@ def main() -> int:
         src_rows, out_rows = list(src.reshape(blocks, block)), list(out.reshape(blocks, block))
         plain_out = [np.empty(block, np.uint8) for _ in range(blocks)]
         plain_src = [payload[i * block : (i + 1) * block] for i in range(blocks)]
-        region = pool._region_of(src)[0].spec  # noqa: SLF001 - the connector's descriptors
-        out_region = pool._region_of(out)[0].spec  # noqa: SLF001
-        actor = pool._loop.run(pool._actor(0))  # noqa: SLF001 - the rank's BackendClient
+        region, out_region = region_spec(pool, src), region_spec(pool, out)
+        actor: StoreHandle = pool._loop.run(pool._actor(0))  # noqa: SLF001 - rank 0's client
         ck_src = ck.empty(nbytes, np.uint8)
         ck_src[:] = payload
         ck_out = ck.empty(nbytes, np.uint8)
         ck_src_rows = list(ck_src.reshape(blocks, block))
         ck_out_rows = list(ck_out.reshape(blocks, block))
-        ck_region = ck._region_of(ck_src)[0].spec  # noqa: SLF001
-        ck_out_region = ck._region_of(ck_out)[0].spec  # noqa: SLF001
-        ck_actor = ck._loop.run(ck._actor(0))  # noqa: SLF001
+        ck_region, ck_out_region = region_spec(ck, ck_src), region_spec(ck, ck_out)
+        ck_actor: StoreHandle = ck._loop.run(ck._actor(0))  # noqa: SLF001
 
-        def actor_call(op: str, region_spec: Any, on: Any = actor) -> None:
+        def actor_call(op: str, spec: RegionSpec, on: StoreHandle = actor) -> None:
             """What the connector's worker sends per step: one TransferBatch of every
-            block's per-layer pieces to the rank's BackendClient actor."""
+            block's per-layer pieces to the rank's BackendClient actor (through its typed
+            handle, as the worker does)."""
             offs, lens = shapes["multi"]
-            batch = TransferBatch(region_spec, tuple(keys), offs, lens)
-            ref = on.put.remote(batch, False) if op == "put" else on.get.remote(batch)
-            statuses = ray.get(ref)
-            assert all(st.name == "OK" for st in statuses), f"kvray multi {op} failed"
+            batch = TransferBatch(spec, tuple(keys), offs, lens)
+            call = on.put(batch, False) if op == "put" else on.get(batch)
+            statuses = call.result(None)
+            assert all(st is KeyStatus.OK for st in statuses), f"kvray multi {op} failed"
 
         def memcpy_par() -> None:
             split_run(io, threads, nbytes, lambda lo, hi: np.copyto(raw_dst[lo:hi], payload[lo:hi]))
@@ -476,7 +493,7 @@ def main() -> int:
         io.shutdown()
         logs.cleanup()
 
-    gbps = {
+    gbps: dict[str, dict[str, float]] = {
         n: {op: nbytes / statistics.median(t[op]) / 1e9 for op in ("put", "get")}
         for n, t in times.items()
     }

@@ -11,6 +11,7 @@ Ray or Mooncake: what a bare GPU machine has).
    bytes (one contiguous tensor: the ceiling), reps interleaved, every rep recorded.
 
     python scripts/device_check.py [--device cuda] [--out bench-results/device_check.json]
+    python scripts/device_check.py --smoke --out /tmp/device_check.json   # seconds
 
 Runs on CPU too (``--device cpu``; that is how CI keeps it working). Exit status 1 when
 any round trip is not byte-exact.
@@ -26,11 +27,22 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from _cli import parse  # noqa: E402
+
+SMOKE = ["--reps", "2", "--layers", "4", "--step-blocks", "8"]
+"""``--smoke``: every layout's round trips as in the full run, a small bandwidth step."""
+
+Entry = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""One layer's KV cache: one tensor, or vLLM-Ascend's (k_cache, v_cache)."""
+Maker = Callable[[], Entry]
 
 
 def _load_staging() -> types.ModuleType:
@@ -55,12 +67,16 @@ def _load_staging() -> types.ModuleType:
     return sys.modules["kvray.connector.staging"]
 
 
-def _permuted(logical: tuple[int, ...], order: tuple[int, ...], dtype, device) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _permuted(
+    logical: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     phys = torch.randn(tuple(logical[i] for i in order), device=device).to(dtype)
     return phys.permute(*(order.index(i) for i in range(len(order))))
 
 
-def layouts(nb: int, bs: int, h: int, d: int, dtype, device) -> dict[str, tuple]:  # type: ignore[no-untyped-def]
+def layouts(
+    nb: int, bs: int, h: int, d: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, tuple[Maker, int]]:
     """name -> (one layer's entry builder, the block dimension of each plane)."""
     return {
         # vLLM 0.32 unified logical view [B, H, N, C] over its default memory order
@@ -79,11 +95,13 @@ def layouts(nb: int, bs: int, h: int, d: int, dtype, device) -> dict[str, tuple]
     }  # fmt: skip
 
 
-def _planes(entry):  # type: ignore[no-untyped-def]
+def _planes(entry: Entry) -> list[torch.Tensor]:
     return [entry] if isinstance(entry, torch.Tensor) else list(entry)
 
 
-def check_layout(staging, name: str, make, bdim: int, nb: int, device) -> dict:  # type: ignore[no-untyped-def]
+def check_layout(
+    staging: Any, name: str, make: Maker, bdim: int, nb: int, device: torch.device
+) -> dict[str, Any]:
     caches = {f"layer.{i}": make() for i in range(4)}
     before = {n: [p.clone() for p in _planes(e)] for n, e in caches.items()}
     stager = staging.Stager(caches, nb, None, "kvray-devcheck", default_slots=16)
@@ -117,14 +135,22 @@ def check_layout(staging, name: str, make, bdim: int, nb: int, device) -> dict: 
         stager.close()
 
 
-def _restored(caches, before) -> bool:  # type: ignore[no-untyped-def]
+def _restored(caches: dict[str, Entry], before: dict[str, list[torch.Tensor]]) -> bool:
     return all(
         torch.equal(p.view(torch.uint8), o.view(torch.uint8))
         for n, e in caches.items() for p, o in zip(_planes(e), before[n], strict=True)
     )  # fmt: skip
 
 
-def _layerwise_round_trip(stager, caches, before, blocks, first, bdim, device) -> bool:  # type: ignore[no-untyped-def]
+def _layerwise_round_trip(
+    stager: Any,
+    caches: dict[str, Entry],
+    before: dict[str, list[torch.Tensor]],
+    blocks: list[int],
+    first: int,
+    bdim: int,
+    device: torch.device,
+) -> bool:
     """``use_layerwise``: two layer groups gathered into fresh slots without waiting
     (events; the put would be sent once each completed), then scattered back group by
     group without waiting (the compute stream waits on each): the same bytes as the
@@ -156,12 +182,14 @@ def _layerwise_round_trip(stager, caches, before, blocks, first, bdim, device) -
     return same and _restored(caches, before)
 
 
-def _sync(device) -> None:  # type: ignore[no-untyped-def]
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def bandwidth(staging, device, reps: int, layers: int, nb: int, step_blocks: int) -> dict:  # type: ignore[no-untyped-def]
+def bandwidth(
+    staging: Any, device: torch.device, reps: int, layers: int, nb: int, step_blocks: int
+) -> dict[str, Any]:
     """One model-sized step: ``step_blocks`` blocks of ``layers`` layers (vLLM 0.32
     layout, bf16, 8 KV heads x 128, block 16)."""
     bs, h, d = 16, 8, 128
@@ -173,7 +201,7 @@ def bandwidth(staging, device, reps: int, layers: int, nb: int, step_blocks: int
     blocks = list(range(0, 2 * step_blocks, 2))  # every other block: a real gather
     dev_flat = torch.empty(total, dtype=torch.uint8, device=device)
     host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     try:
         first = stager.reserve(step_blocks)
         for rep in range(reps):
@@ -207,7 +235,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--step-blocks", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "device_check.json"))
-    args = ap.parse_args()
+    args = parse(ap, SMOKE)
     device = torch.device(args.device)
     staging = _load_staging()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()

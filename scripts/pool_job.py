@@ -4,9 +4,10 @@ blocks for a few "requests" sharing a prefix, verify every byte, print the pool 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python scripts/pool_job.py --name kvray --start
 
-Inside a job, ``ray.init()`` joins the job's cluster. ``--start`` starts the pool when
-none runs (detached: it outlives the job; ``kvray down`` stops it); ``--down`` stops it
-at the end.
+Inside a job, ``ray.init()`` joins the job's cluster (outside one: the cluster of
+``RAY_ADDRESS``, else a new local one). ``--start`` starts the pool when none runs
+(detached: it outlives the job; ``kvray down`` stops it); ``--down`` stops it at the end.
+``--smoke``: 2 requests of 4 blocks of 16 KiB; ``--json``: the run's counts.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import parse, write_json  # noqa: E402
+
+SMOKE = ["--requests", "2", "--blocks", "4", "--block-kib", "16"]
 
 
 def main() -> int:
@@ -27,7 +34,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=32, help="blocks per request")
     parser.add_argument("--block-kib", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="write the run's counts here")
+    args = parse(parser, SMOKE)
 
     import ray
 
@@ -71,6 +79,16 @@ def main() -> int:
         f"\n{args.requests} requests in {dt:.2f} s, pool hit rate {hit_blocks / total_blocks:.0%}"
     )
     print(pool.stats().table())
+    write_json(
+        args.json,
+        {
+            "requests": args.requests,
+            "seconds": dt,
+            "hit_blocks": hit_blocks,
+            "total_blocks": total_blocks,
+            "hit_rate": hit_blocks / total_blocks,
+        },
+    )
     if args.down:
         pool.shutdown()
         print(f"pool {args.name!r} stopped")

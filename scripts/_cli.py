@@ -1,0 +1,44 @@
+"""The scripts' common command line: ``--smoke`` and ``--json``.
+
+``--smoke`` is the script's full run with small arguments (``SMOKE``, a list of ordinary
+arguments each script declares next to its defaults): the same code path, the same JSON
+keys, in seconds to a minute or two instead of minutes to hours. Arguments given after
+``--smoke`` on the command line override its values. The test suite runs every script
+this way (``tests/*/test_scripts.py``), so a script that no longer runs fails a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def parse(
+    parser: argparse.ArgumentParser, smoke: Sequence[str], argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """``parser``'s arguments, with ``--smoke`` added: when given, ``smoke`` is parsed
+    before the command line's own arguments (which win)."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the full run with small arguments ({' '.join(smoke)}); arguments given "
+        "with it override them",
+    )
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_in)
+    if args.smoke:
+        args = parser.parse_args([*smoke, *args_in])
+    return args
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    """``results`` as JSON at ``path`` (nothing without one)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")

@@ -164,9 +164,6 @@ class PoolManagerActor:
         """Every actor this manager made (for shutdown)."""
         return self._state.all_actors()
 
-    async def claim_geometry(self, keys: str, geometry: str) -> str:
-        return self._state.claim_geometry(keys, geometry)
-
     async def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> list[dict[str, Any]]:
         return self._state.register_fingerprint(keys, fp)
 

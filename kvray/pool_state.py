@@ -1,5 +1,5 @@
-"""What a pool's manager remembers, without Ray: the node actors it made, the block
-geometry and hash fingerprints engines registered, and the ledger of stored and removed
+"""What a pool's manager remembers, without Ray: the node actors it made, the hash
+fingerprints engines registered, and the ledger of stored and removed
 blocks. The PoolManager actor (``actors/manager.py``) is a thin shell around it."""
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ class PoolState:
         """``(node id, slot)`` -> that slot's actors on that node."""
         self.lookups: dict[str, LookupHandle] = {}
         """Node id -> its Lookup actor."""
-        self.geometries: dict[str, str] = {}
-        """``namespace@layout`` -> the block geometry its stored bytes have."""
         self.fingerprints: dict[str, dict[str, dict[str, Any]]] = {}
         """``namespace@layout`` -> hash domain -> how its instances hash blocks (vLLM's
         algorithm, the seed's source) and how many registered it."""
@@ -69,12 +67,6 @@ class PoolState:
             forgotten.append(node)
             logger.info("pool %s: forgot the actors of node %s (gone)", self.pool, node)
         return forgotten
-
-    def claim_geometry(self, keys: str, geometry: str) -> str:
-        """The block geometry of keys ``keys`` (``namespace@layout``): the first engine's
-        claim stands; an engine comparing its own with the answer never writes bytes of
-        another shape under the same keys."""
-        return self.geometries.setdefault(keys, geometry)
 
     def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> list[dict[str, Any]]:
         """An attaching instance's hash fingerprint for keys ``keys`` (``namespace@layout``);

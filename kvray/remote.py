@@ -261,9 +261,6 @@ class ManagerHandle(Handle):
     def all_actors(self) -> Call[list[Handle]]:
         return self._call("all_actors")
 
-    def claim_geometry(self, keys: str, geometry: str) -> Call[str]:
-        return self._call("claim_geometry", keys, geometry)
-
     def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> Call[list[dict[str, Any]]]:
         return self._call("register_fingerprint", keys, fp)
 

@@ -201,18 +201,14 @@ class FakeLookup(LookupHandle):
 
 
 class FakeManager(ManagerHandle):
-    """The pool's manager: geometry claims (first one wins) and fingerprints."""
+    """The pool's manager: hash fingerprints."""
 
     def __init__(self) -> None:
         super().__init__(None, "FakeManager")
-        self.geometries: dict[str, str] = {}
         self.other_fingerprints: list[dict[str, Any]] = []
         """What ``register_fingerprint`` answers (the pool's other hash domains)."""
         self.registered: list[tuple[str, dict[str, Any]]] = []
         self.fingerprint_calls: list[FakeCall] = []
-
-    def claim_geometry(self, keys: str, geometry: str) -> FakeCall:  # type: ignore[override]
-        return FakeCall("FakeManager.claim_geometry", self.geometries.setdefault(keys, geometry))
 
     def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> FakeCall:  # type: ignore[override]
         self.registered.append((keys, fp))

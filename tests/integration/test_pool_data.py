@@ -161,18 +161,6 @@ def test_stats_count_what_happened(pool, prefix):
     assert after.to_dict()["world_size"] == 2
 
 
-def test_pool_remembers_the_block_geometry_of_each_key_layout(pool, prefix):
-    """What lets KVRayConnector refuse an engine whose blocks are shaped differently under
-    the same keys (tests/unit/test_staging.py checks the refusal itself)."""
-
-    manager = pool._h.manager
-    keys = f"{prefix}@float16-b16-h4x64"
-    assert manager.claim_geometry(keys, "p4x16x128").result(30) == "p4x16x128"
-    assert manager.claim_geometry(keys, "p16x4x64.p16x4x64").result(30) == "p4x16x128"
-    other = f"{prefix}-other@float16-b16-h4x64"
-    assert manager.claim_geometry(other, "p16x4x64.p16x4x64").result(30) == ("p16x4x64.p16x4x64")
-
-
 def _eventually(check, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
     """``check()``'s value once it is truthy (the ledger follows puts within ~0.5 s)."""
     deadline = time.monotonic() + timeout_s

@@ -1,5 +1,5 @@
 """What the pool manager remembers (kvray.pool_state), without Ray: node actors and
-forgetting dead nodes, geometry claims, hash fingerprints, the ledger's updates."""
+forgetting dead nodes, hash fingerprints, the ledger's updates."""
 
 from __future__ import annotations
 
@@ -39,13 +39,6 @@ def test_a_dead_node_is_forgotten_only_after_the_grace_period():
     assert state.forget_gone({"a"}, after_s=300, now=400) == []
     assert state.forget_gone({"a"}, after_s=300, now=700) == ["b"]
     assert {k[0] for k in state.nodes} == {"a"} and set(state.lookups) == {"a"}
-
-
-def test_the_first_geometry_claim_stands():
-    state = PoolState("p")
-    assert state.claim_geometry("m@l", "p4x16x128") == "p4x16x128"
-    assert state.claim_geometry("m@l", "p16x4x64") == "p4x16x128"
-    assert state.claim_geometry("m@other", "p16x4x64") == "p16x4x64"
 
 
 def test_fingerprints_answer_the_other_hash_domains_and_mark_mixed_keys():

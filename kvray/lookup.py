@@ -9,8 +9,9 @@ once, never raised to the scheduler.
 
 With a ``<backend>|ssd`` pipeline, the keys DRAM lacks are asked of the SSD tier, per key
 column, of the worker that loads that column: its node and local slot (the instance's
-:data:`Placement`, which its workers record with the pool manager). A block is a hit only
-where the loading worker's own tier holds it: another node's disk is not one it can read.
+:data:`Placement`, which its workers name in vLLM's handshake metadata and its scheduler
+sends with each lookup). A block is a hit only where the loading worker's own tier holds
+it: another node's disk, or another slot's directory, is not one it reads.
 
 A lookup may also wait (PD disaggregation): given ``want`` leading blocks a prefill
 instance reported stored, it asks the backend again every ``POLL_S`` until they are all
@@ -82,9 +83,9 @@ name it) -> the place of the worker that loads that rank's key columns."""
 
 def ssd_places(ranks: int, placement: Placement | None, own_node: str) -> list[Place | None]:
     """Per instance rank, the SSD tier a lookup asks for that rank's columns. Placement
-    unknown (None: a Pool API caller, or an engine whose workers have not recorded it):
-    this node's slot ``rank``, where a one-node instance's workers run. Known: the place
-    its worker recorded; a rank without one has nothing on SSD that its worker could load
+    unknown (None: a Pool API caller, or an engine whose workers did not name it): this
+    node's slot ``rank``, where a one-node instance's workers run. Known: the place its
+    worker named; a rank without one has nothing on SSD that its worker could load
     (None)."""
     if placement is None:
         return [Place(own_node, r) for r in range(ranks)]
@@ -120,7 +121,7 @@ class LookupService:
         """``namespace@layout`` that instances hashing blocks differently share."""
         self.stats = RankStats()
         self.ssd_asks: Counter[Place] = Counter()
-        """How often each SSD tier was asked (``kvray status`` of the Lookup actor)."""
+        """How often each SSD tier was asked, by node and slot (the Lookup actor's snapshot)."""
         self._warned: set[str] = set()
 
     async def lookup(

@@ -1,6 +1,8 @@
 """Data parallel on one pool: a real vLLM OpenAI server with ``--data-parallel-size 2``
-(two engine cores, each with its own worker and KVRayConnector) over a real kvray pool:
-blocks stored by one DP rank are hits for the other."""
+(two engine cores, each with its own worker and KVRayConnector) over a real kvray pool
+with kvray's SSD tier (``mooncake|ssd``): blocks stored by one DP rank are hits for the
+other, and, once only the SSD tier holds them, each DP rank's lookup asks the SSD tier
+of the slot its own worker loads through."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import prompts, start_pool
+from .conftest import prompts
 from .test_pd_proxy import STARTUP_S, Server
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +35,31 @@ def _post(url: str, body: dict, dp_rank: int) -> dict:
         return dict(json.loads(r.read()))
 
 
+def _drop_dram(server_address: str) -> int:
+    """Remove every block from Mooncake's DRAM with a raw client (no memory of its own),
+    as an eviction of all of them would; the SSD tier keeps its copies."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", server_address)
+    assert rc == 0, f"mooncake setup against {server_address} failed: {rc}"
+    try:
+        return int(raw.remove_all(True))
+    finally:
+        raw.close()
+
+
+def _ssd_slots(log: str) -> dict[str, tuple[str, int]]:
+    """Per EngineCore pid, the (node, slot) its scheduler's SSD lookups ask for rank 0
+    (what its worker told it in vLLM's handshake)."""
+    found = re.findall(
+        r"\((?:EngineCore\S*) pid=(\d+)\).*SSD lookups ask, per rank, rank 0: slot (\d+) "
+        r"of node (\w+)",
+        log,
+    )
+    return {pid: (node, int(slot)) for pid, slot, node in found}
+
+
 def _by_engine(log: str) -> dict[str, list[dict[str, int]]]:
     """Per EngineCore pid (one per DP rank), its per-request connector lines."""
     out: dict[str, list[dict[str, int]]] = {}
@@ -45,10 +72,28 @@ def _by_engine(log: str) -> dict[str, list[dict[str, int]]]:
     return out
 
 
+@pytest.mark.timeout(900)  # two engine cores start in minutes on a loaded 2-core host
 def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
+    import ray
+
+    from kvray import Pool, PoolConfig
     from kvray.servers.process import free_port
 
-    pool = start_pool("dp", 2, "256MB")
+    (tmp_path / "ssd").mkdir()
+    pool = Pool.start(
+        PoolConfig.from_dict(
+            {
+                "name": "dp",
+                "world_size": 2,
+                "detached": False,
+                "pipeline": "mooncake|ssd",
+                "ssd": {"path": str(tmp_path / "ssd"), "quota": "256MB", "io_threads": 2},
+                "mooncake": {"global_segment_size": "256MB", "local_buffer_size": "32MB"},
+            },
+            environ={},
+        )
+    )
+    node = ray.get_runtime_context().get_node_id()
     port = free_port()
     env = {
         **os.environ,
@@ -70,6 +115,17 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
            "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
            "--data-parallel-size", "2", "--kv-transfer-config", transfer]  # fmt: skip
     server = Server("dp", cmd, env, tmp_path / "dp.log")
+
+    def lines(n: int) -> dict[str, list[dict[str, int]]]:
+        """Each engine core's request lines, once ``n`` were logged in all."""
+        deadline = time.monotonic() + 20
+        while True:
+            engines = _by_engine(server.tail(10**8))
+            if sum(len(v) for v in engines.values()) >= n:
+                return engines
+            assert time.monotonic() < deadline, server.tail()
+            time.sleep(0.2)
+
     try:
         server.wait_healthy(f"http://127.0.0.1:{port}/health", time.monotonic() + STARTUP_S)
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -83,25 +139,40 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         again = [_post(url, {**body, "prompt": p}, (i + 1) % 2) for i, p in enumerate(ps)]
         for a, b in zip(first, again, strict=True):
             assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
-        deadline = time.monotonic() + 20
-        while True:
-            engines = _by_engine(server.tail(10**8))
-            if sum(len(v) for v in engines.values()) >= 8:
-                break
-            assert time.monotonic() < deadline, server.tail()
-            time.sleep(0.2)
+        lines(8)
+        # Only the SSD tier holds the blocks now: each rank's lookup must ask the SSD tier
+        # of the slot its own worker loads through, and that worker load them from it.
+        assert pool.stats().total.ssd_put_keys == 12  # 4 prompts x 3 blocks, stored once
+        assert _drop_dram(pool.server_address) >= 12
+        ssd = [_post(url, {**body, "prompt": p}, i % 2) for i, p in enumerate(ps)]
+        for a, b in zip(first, ssd, strict=True):
+            assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        engines = lines(12)
         status = pool.stats()
+        lookup = pool._h.lookup().snapshot().result(30)  # noqa: SLF001
         log = server.tail(10**8)
     finally:
         server.stop()
         pool.shutdown()
     assert len(engines) == 2, f"requests reached {len(engines)} engine core(s): {engines}"
-    for lines in engines.values():  # each DP rank: 2 stored, 2 loaded what the other stored
-        assert [(x["saved"], x["hit_pool"], x["loaded"]) for x in lines] == [(3, 0, 0)] * 2 + [
-            (0, 3, 3)
-        ] * 2, (engines, [ln for ln in log.splitlines() if "WARNING" in ln or "ERROR" in ln])
-    # A worker uses the client of its local rank (vLLM's device index: distinct cards of
-    # a node have distinct clients). vLLM's CPU workers of both DP ranks are local rank
-    # 0, so here both engines' KV regions are mapped by slot 0's client.
+    # each DP rank: 2 stored, 2 loaded what the other stored (DRAM), 2 loaded from SSD
+    for lines_ in engines.values():
+        assert [(x["saved"], x["hit_pool"], x["loaded"], x["failed"]) for x in lines_] == [
+            (3, 0, 0, 0)
+        ] * 2 + [(0, 3, 3, 0)] * 4, (
+            engines,
+            [ln for ln in log.splitlines() if "WARNING" in ln or "ERROR" in ln],
+        )
+    # A worker uses the client (and SSD tier) of its local rank (vLLM's device index: on
+    # a GPU node DP rank 1's is slot 1). vLLM's CPU workers of both DP ranks are local
+    # rank 0, so here both engines' KV regions are mapped by slot 0's client.
     slot0 = status.ranks[0].stats
     assert (slot0.put_keys, slot0.get_keys, slot0.regions) == (12, 12, 2), status.table()
+    # the third round: DRAM misses, every block served by slot 0's SSD tier
+    assert slot0.ssd_get_keys == 12 and status.total.lookup_ssd_blocks == 12, status.table()
+    # Each engine's scheduler was told its worker's slot, and the SSD tiers the lookups
+    # asked are exactly those.
+    slots = _ssd_slots(log)
+    assert set(slots) == set(engines), (slots, list(engines))
+    assert set(slots.values()) == {(node, 0)}, slots
+    assert {(n, s) for n, s, _ in lookup["ssd_asks"]} == set(slots.values()), lookup

@@ -4,7 +4,8 @@ requests with shared prefixes, for a bounded time, while faults hit the pool at 
     .venv/bin/python scripts/soak.py --duration 900 --checksum on --json bench-results/soak.json
 
 What runs: a tiny Llama built locally; first a server *without* a connector answers every
-prompt once (the oracle); then a loopback Ray, a kvray pool (``mooncake|ssd``: a small
+prompt once (the oracle; ``--oracle PATH`` keeps its tokens for another run of the same
+model and prompts); then a loopback Ray, a kvray pool (``mooncake|ssd``: a small
 DRAM tier over an SSD tier, block checksums ``--checksum on|off``, embedded
 ``mooncake_master``) and a server with KVRayConnector (vLLM's own prefix cache off, so
 every repeat goes to the pool; ``kv_load_failure_policy: recompute``).
@@ -42,6 +43,8 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import gc
+import hashlib
 import json
 import os
 import random
@@ -298,6 +301,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the pool's block checksums (the pool's default: on); the oracle is the same",
     )
     parser.add_argument("--model", help="a model directory (default: build the tiny Llama)")
+    parser.add_argument(
+        "--oracle",
+        type=Path,
+        help="a file for the no-connector run's tokens: read when it holds them for the same "
+        "model files, prompts and --max-tokens, else computed and written",
+    )
     parser.add_argument("--json", type=Path, help="the summary (counts, faults, meta)")
     parser.add_argument("--requests-json", type=Path, help="every request's detail")
     args = parser.parse_args(argv)
@@ -308,16 +317,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _model_digest(model: str) -> str:
+    """sha256 of a model directory's files (names and bytes): a cached oracle is only
+    as good as the model it came from."""
+    h = hashlib.sha256()
+    root = Path(model)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def oracle_tokens(
-    model: str, prompts: list[list[int]], max_tokens: int, env: dict[str, str], tmp: Path
-) -> list[list[int]]:
-    """Every prompt's greedy tokens from a server without a connector."""
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    env: dict[str, str],
+    tmp: Path,
+    cache: Path | None,
+) -> tuple[list[list[int]], str]:
+    """Every prompt's greedy tokens from a server without a connector, and where they came
+    from: ``cache`` holds them for the same model files, prompts and ``max_tokens`` (a
+    second run, e.g. the other checksum mode, skips the baseline server), else they are
+    computed (and written there)."""
+    key = {
+        "model": _model_digest(model) if cache is not None else "",
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "max_tokens": max_tokens,
+    }
+    if cache is not None and cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == key:
+            return saved["tokens"], f"read from {cache}"
     base = Server("baseline", model, [], env, tmp)
     try:
         base.wait_ready()
-        return [completion(base.port, model, p, max_tokens, 300)[0] for p in prompts]
+        tokens = [completion(base.port, model, p, max_tokens, 300)[0] for p in prompts]
     finally:
         base.stop()
+    if cache is None:
+        return tokens, "computed"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "tokens": tokens}))
+    return tokens, f"computed, written to {cache}"
 
 
 def inject(faults: Faults, kind: str, at_s: float, hold_s: float) -> Row:
@@ -368,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(build_tiny_llama(tmp / "tiny-llama"))
     prompts = make_prompts(args.prefixes, args.suffixes, args.seed)
-    log(f"== {len(prompts)} prompts ({args.prefixes} prefixes x {args.suffixes}); oracle run")
-    oracle = oracle_tokens(model, prompts, args.max_tokens, env, tmp)
+    log(f"== {len(prompts)} prompts ({args.prefixes} prefixes x {args.suffixes}); oracle")
+    oracle, oracle_from = oracle_tokens(model, prompts, args.max_tokens, env, tmp, args.oracle)
+    log(f"   oracle {oracle_from}")
 
     import ray
 
@@ -492,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
                 faults.undo_pool_full()
         server.stop()
         pool.shutdown()
+        # Unreachable cycles first: a put that failed while a client restarted leaves a
+        # traceback whose frames hold a view of the Pool's transfer window (and so its
+        # memory file's descriptor) until the collector runs. A hold still reachable
+        # after this is a leak, and is reported.
+        gc.collect()
         fds_after, fd_targets = len(os.listdir("/proc/self/fd")), _fd_targets() - fd_targets_before
         ray.shutdown()
     load_s = time.monotonic() - t0
@@ -557,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts=len(prompts),
             **{k: v for k, v in vars(args).items() if k not in ("json", "requests_json", "kinds")},
         ),
+        "oracle": oracle_from,
         "load_s": round(load_s, 3),
         "requests": {
             "total": len(results),

@@ -305,27 +305,33 @@ class Pool:
             async with self._window_lock:
                 window = self._window_for(max(views[i].nbytes for i in staged))
                 buf = window.array
-                pending = collections.deque(staged)
-                while pending:
-                    chunk, offsets, used = [], [], 0
-                    while pending and used + views[pending[0]].nbytes <= window.spec.size:
-                        i = pending.popleft()
-                        chunk.append(i)
-                        offsets.append(used)
-                        used += -(-views[i].nbytes // 64) * 64
-                    if op == "put":
-                        for i, off in zip(chunk, offsets, strict=True):
-                            buf[off : off + views[i].nbytes] = views[i]
-                    batch = TransferBatch.contiguous(
-                        window.spec,
-                        [keys[i] for i in chunk],
-                        offsets,
-                        [views[i].nbytes for i in chunk],
-                    )
-                    for i, off, s in zip(chunk, offsets, await run(batch), strict=True):
-                        statuses[i] = s
-                        if op == "get" and s is KeyStatus.OK:
-                            views[i][:] = buf[off : off + views[i].nbytes]
+                try:
+                    pending = collections.deque(staged)
+                    while pending:
+                        chunk, offsets, used = [], [], 0
+                        while pending and used + views[pending[0]].nbytes <= window.spec.size:
+                            i = pending.popleft()
+                            chunk.append(i)
+                            offsets.append(used)
+                            used += -(-views[i].nbytes // 64) * 64
+                        if op == "put":
+                            for i, off in zip(chunk, offsets, strict=True):
+                                buf[off : off + views[i].nbytes] = views[i]
+                        batch = TransferBatch.contiguous(
+                            window.spec,
+                            [keys[i] for i in chunk],
+                            offsets,
+                            [views[i].nbytes for i in chunk],
+                        )
+                        for i, off, s in zip(chunk, offsets, await run(batch), strict=True):
+                            statuses[i] = s
+                            if op == "get" and s is KeyStatus.OK:
+                                views[i][:] = buf[off : off + views[i].nbytes]
+                finally:
+                    # A failed call's traceback keeps this frame alive: without the view in
+                    # it, close() releases the window's mapping (and its descriptor) at
+                    # once, not at the next garbage collection.
+                    del buf
 
         jobs = [run_direct(rid, items) for rid, items in direct.items()]
         if staged:

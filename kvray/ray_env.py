@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +40,27 @@ def ray_init(
     if node_ip:
         kwargs.setdefault("_node_ip_address", node_ip)
     kwargs.setdefault("log_to_driver", False)
+    main_thread = threading.current_thread() is threading.main_thread()
+    own = signal.getsignal(signal.SIGTERM) if main_thread else None
     ray.init(address=address, namespace=namespace, **kwargs)
+    if main_thread:
+        _keep_sigterm_handler(own)
+
+
+def _keep_sigterm_handler(own: object) -> None:
+    """After ``ray.init``: SIGTERM goes to the process's own handler again, without a
+    stack dump.
+
+    ``ray.init`` replaces the SIGTERM handler with ``sys.exit`` and Ray's core worker adds
+    a C-level handler that prints "*** SIGTERM received ..." and a stack before passing
+    the signal on. In a vLLM engine (the connector joins Ray there) that turned vLLM's
+    normal shutdown (its front end SIGTERMs the engine core, whose handler ends the busy
+    loop cleanly) into a stack dump and a ``SystemExit`` in the middle of the loop.
+    Setting a Python handler again (the process's own when it had one, else Ray's) drops
+    the C-level one for SIGTERM only; crash signals keep Ray's dumps."""
+    handler = own if callable(own) else signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def normal_priority(role: str) -> None:

@@ -46,6 +46,7 @@ class Engine:
 
     def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
         self.name = name
+        self.max_len: int = spec["max_len"]
         path = tmp / f"{name}.spec.json"
         path.write_text(json.dumps(spec))
         self.log_path = tmp / f"{name}.log"
@@ -60,17 +61,21 @@ class Engine:
             bufsize=1,
         )
         self._lines: queue.Queue[str] = queue.Queue()
+        self._ended = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._lines.put(line)
-        self._lines.put("")  # ended
+        self._ended.set()
+        self._lines.put("")  # wakes a waiting answer
 
     def answer(self, timeout_s: float = 600) -> dict[str, Any]:
         try:
-            line = self._lines.get(timeout=timeout_s)
+            # Once the engine's output ended, no answer comes: say so at once (a second
+            # question to a dead engine would otherwise wait out the timeout).
+            line = self._lines.get(timeout=0 if self._ended.is_set() else timeout_s)
         except queue.Empty:
             line = ""
         if not line:
@@ -102,7 +107,7 @@ class Engine:
     def start(self) -> None:
         """Wait until the engine is up, run one warm-up request, then pause it."""
         self.answer()
-        self.call(op="ttft", prompt=list(range(3, 303)))
+        self.call(op="ttft", prompt=list(range(3, 3 + min(300, self.max_len - 1))))
         self.call(op="drain")
         self.pause()
 

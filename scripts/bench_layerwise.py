@@ -19,6 +19,7 @@ request that did not load its prefix from the pool, or any failed load, is an er
 (the comparison would be void).
 
     .venv/bin/python scripts/bench_layerwise.py --json bench-results/bench_layerwise.json
+    .venv/bin/python scripts/bench_layerwise.py --smoke --json /tmp/bench_layerwise.json
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +39,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     Engine,
     engine_env,
@@ -48,6 +51,8 @@ from _engines import (  # noqa: E402
 
 BLOCK = 128
 CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
+SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
+"""``--smoke``: every configuration, one short input with a one-block hit, 3 reps."""
 
 
 def log(msg: str) -> None:
@@ -80,7 +85,7 @@ def main() -> int:
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     if args.reps < 3:
         parser.error("--reps must be >= 3")
     configs = args.configs.split(",")
@@ -126,6 +131,7 @@ def main() -> int:
             e.close()
         pool.shutdown()
         ray.shutdown()
+    shutil.rmtree(tmp)  # engine logs: kept when the run failed
 
     rows = []
     for length in lengths:

@@ -14,20 +14,23 @@ SIGSTOP so their background threads do not take the measured server's CPU):
 
 Reps are interleaved: every rep runs each mode in turn (order rotated per rep) on fresh
 prompts (the rep's seed), so run 1 is cold again. The benchmark client is vLLM's own
-(``vllm.benchmarks.serve``, called as a module: the CPU wheel's ``vllm`` CLI fails on its
-version lookup) with the seeds' flags: random dataset, ``--num-prompts`` (12) of
-``--input-len`` (4000) tokens, output 2, request rate inf. The pool's hits per run come
-from the kvray server's request lines.
+(``vllm.benchmarks.serve``, called in this process, imported once: the CPU wheel's
+``vllm`` CLI fails on its version lookup) with the seeds' flags: random dataset,
+``--num-prompts`` (12) of ``--input-len`` (4000) tokens, output 2, request rate inf. The
+pool's hits per run come from the kvray server's request lines.
 
     .venv/bin/python scripts/bench_serve.py --json bench-results/bench_serve.json
+    .venv/bin/python scripts/bench_serve.py --smoke --json /tmp/bench_serve.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +47,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     engine_env,
@@ -54,6 +59,8 @@ from _engines import (  # noqa: E402
 )
 
 MODES = ("none", "local", "peer", "kvray")
+SMOKE = ["--input-len", "256", "--num-prompts", "2", "--reps", "1", "--kv-cache-gb", "1"]
+"""``--smoke``: every mode, one rep of 2 prompts of 256 tokens (two blocks each)."""
 
 
 def log(msg: str) -> None:
@@ -123,20 +130,33 @@ class Server:
         self._log.close()
 
 
+def bench_client() -> Callable[[list[str]], object]:
+    """vLLM's ``vllm bench serve`` as a function of its arguments (imported once: an
+    import of vLLM costs 12-16 s on 2 cores, a run with short prompts less)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]  # vLLM: untyped __init__
+    add_cli_args(parser)
+
+    def run(argv: list[str]) -> object:
+        with contextlib.redirect_stdout(sys.stderr):  # its report; stdout is our table
+            return main(parser.parse_args(argv))
+
+    return run
+
+
 def bench_once(
-    server: Server, model: str, args: argparse.Namespace, seed: int, out: Path
+    client: Callable[[list[str]], object],
+    server: Server,
+    model: str,
+    args: argparse.Namespace,
+    seed: int,
+    out: Path,
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` run (vLLM's module, in a child process)."""
-    code = (
-        "import sys\n"
-        "from vllm.benchmarks.serve import add_cli_args, main\n"
-        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-        "p = FlexibleArgumentParser()\n"
-        "add_cli_args(p)\n"
-        "main(p.parse_args(sys.argv[1:]))\n"
-    )
-    cmd = [
-        sys.executable, "-c", code, "--backend", "vllm",
+    """One ``vllm bench serve`` run."""
+    argv = [
+        "--backend", "vllm",
         "--base-url", f"http://127.0.0.1:{server.port}", "--model", model,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", "2", "--num-prompts", str(args.num_prompts),
@@ -144,9 +164,10 @@ def bench_once(
         "--percentile-metrics", "ttft", "--metric-percentiles", "90,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise RuntimeError(f"bench serve against {server.mode} failed:\n{res.stderr[-3000:]}")
+    try:
+        client(argv)
+    except Exception as exc:
+        raise RuntimeError(f"bench serve against {server.mode} failed: {exc!r}") from exc
     result: dict[str, Any] = json.loads(out.read_text())
     if result.get("completed") != args.num_prompts:
         raise RuntimeError(
@@ -169,8 +190,9 @@ def main() -> int:
     parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-serve-model")
     )
+    parser.add_argument("--kv-cache-gb", type=int, default=2, help="each server's KV cache")
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     modes = args.modes.split(",")
     unknown = set(modes) - {*MODES, "staged"}
     if unknown:
@@ -192,7 +214,7 @@ def main() -> int:
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     master_settings = MooncakeMasterConfig()
-    env = engine_env(tmp, None, kv_cache_gb=2)
+    env = engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)
     pool = None
     peer_master = None
     servers: dict[str, Server] = {}
@@ -214,6 +236,7 @@ def main() -> int:
             servers[mode] = Server(mode, model, args.input_len + 64, menv, tmp)
             servers[mode].wait_ready()
             servers[mode].pause()
+        client = bench_client()
         for rep in range(args.reps):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for mode in order:
@@ -222,7 +245,7 @@ def main() -> int:
                 before = len(s.request_lines())
                 for run in (1, 2):
                     out = tmp / f"{mode}-rep{rep}-run{run}.json"
-                    r = bench_once(s, model, args, seed=1000 + rep, out=out)
+                    r = bench_once(client, s, model, args, seed=1000 + rep, out=out)
                     time.sleep(1.0)  # the server's last request lines
                     lines = s.request_lines()[before:]
                     before += len(lines)
@@ -250,6 +273,7 @@ def main() -> int:
         if pool is not None:
             pool.shutdown()
             ray.shutdown()
+    shutil.rmtree(tmp)  # server logs: kept when the run failed
 
     table = summarize(runs, modes)
     if args.json:

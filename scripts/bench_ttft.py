@@ -31,6 +31,7 @@ prefill dominates as on real hardware.
 
     .venv/bin/python scripts/bench_ttft.py --json bench-results/bench_ttft.json
     .venv/bin/python scripts/bench_ttft.py --placement staged --configs full,local,kvray
+    .venv/bin/python scripts/bench_ttft.py --smoke --json /tmp/bench_ttft.json
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,6 +51,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     Engine,
@@ -64,6 +67,8 @@ CONFIGS = ("full", "local", "kvray", "staged", "peer")
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {"full": "full", "local": "ideal", "kvray": "kvray", "staged": "staged", "peer": "peer"}
 BLOCK = 128
+SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
+"""``--smoke``: every configuration, one short input with and without hits, 3 reps."""
 
 
 def log(msg: str) -> None:
@@ -100,8 +105,9 @@ def main() -> int:
     parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
+    parser.add_argument("--kv-cache-gb", type=int, default=2, help="each engine's KV cache")
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     if args.reps < 3:
         parser.error("--reps must be >= 3")
     configs = args.configs.split(",")
@@ -127,7 +133,7 @@ def main() -> int:
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
     pool, ray_address = start_bench_pool(segment="2GB", master=master)
-    env = engine_env(tmp, ray_address, kv_cache_gb=2)
+    env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     peer_master = None
     engines: dict[str, Engine] = {}
     reps: dict[tuple[str, int, float], list[float]] = {}
@@ -161,6 +167,7 @@ def main() -> int:
             peer_master.stop()
         pool.shutdown()
         ray.shutdown()
+    shutil.rmtree(tmp)  # engine logs: kept when the run failed
 
     rows = []
     for length in lengths:

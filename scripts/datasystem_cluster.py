@@ -5,6 +5,7 @@ on separate ports, for trying a multi-worker pool on one machine).
 
     scripts/datasystem_cluster.py up --dir /tmp/ds --workers 2
     scripts/datasystem_cluster.py down --dir /tmp/ds
+    scripts/datasystem_cluster.py up --smoke --dir /tmp/ds   # workers of 128 MB
 
 ``up`` prints the ``DS_WORKER_ADDR`` each node's kvray (or vLLM-Ascend) sets, and writes
 ``<dir>/cluster.json`` (addresses and PIDs) which ``down`` reads: it stops exactly the
@@ -29,6 +30,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+SMOKE = ["--shared-memory-mb", "128"]
+"""``up --smoke``: the same cluster with workers of 128 MB of shared memory."""
 
 
 def log(msg: str) -> None:
@@ -213,10 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--host", default="127.0.0.1", help="address every listener binds")
     u.add_argument("--etcd", help="use this running etcd (host:port) instead of starting one")
     u.add_argument("--shared-memory-mb", type=int, default=1024)
+    u.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the same with small arguments ({' '.join(SMOKE)}); arguments given override them",
+    )
     d = sub.add_parser("down", help="stop what `up` started in --dir")
     d.add_argument("--dir", required=True)
     d.add_argument("--keep", action="store_true", help="keep the directory (logs)")
     args = p.parse_args(argv)
+    if args.cmd == "up" and args.smoke:
+        given = list(sys.argv[1:] if argv is None else argv)
+        at = given.index("up") + 1
+        args = p.parse_args([*given[:at], *SMOKE, *given[at:]])
     return up(args) if args.cmd == "up" else down(args)
 
 

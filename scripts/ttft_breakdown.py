@@ -20,6 +20,7 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 medians over reps, next to the local prefix cache's TTFT and kvray's excess over it.
 
     .venv/bin/python scripts/ttft_breakdown.py --json bench-results/ttft_breakdown.json
+    .venv/bin/python scripts/ttft_breakdown.py --smoke --json /tmp/ttft_breakdown.json
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     Engine,
     engine_env,
@@ -48,6 +51,8 @@ from _engines import (  # noqa: E402
 
 BLOCK = 128
 PARTS = ("to_lookup", "lookup", "to_step", "load", "forward", "after_step", "to_caller")
+SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
+"""``--smoke``: both engines, one short input with a one-block hit, 3 reps."""
 
 
 def log(msg: str) -> None:
@@ -82,7 +87,7 @@ def main() -> int:
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     if args.reps < 3:
         parser.error("--reps must be >= 3")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -155,6 +160,7 @@ def main() -> int:
             e.close()
         pool.shutdown()
         ray.shutdown()
+    shutil.rmtree(tmp)  # engine logs: kept when the run failed
 
     rows = []
     for (length, rate), got in samples.items():

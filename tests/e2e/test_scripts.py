@@ -1,0 +1,97 @@
+"""The scripts that run vLLM engines, each in its smoke mode (``--smoke``: the full run
+with small arguments) as a user runs it: it exits 0, prints its table, and writes JSON
+with the keys of the full run (``tests/script_smoke.py``). Each starts and stops its own
+local Ray cluster, pool and engines; most of their time is the engines' start (~20-40 s
+each on 2 cores).
+
+The demo's run must also end quietly: no traceback, no stack dump of a SIGTERMed process
+(Ray's handler in a vLLM engine process, before kvray.ray_env kept the engine's own), no
+resource-tracker warning about leaked shared memory, no process force-killed by vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.script_smoke import committed_keys, json_keys, run_script
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def prefill_model(tmp_path_factory) -> str:
+    """The model of the demo and of the TTFT benchmarks, built once for the session."""
+    from kvray.tiny_model import build_prefill_bound_llama
+
+    return str(build_prefill_bound_llama(tmp_path_factory.mktemp("prefill-model") / "llama"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("script", "result", "table"),
+    [
+        ("bench_ttft.py", "bench_ttft.json", "kvray ms"),
+        ("bench_layerwise.py", "bench_layerwise.json", "lw shared"),
+        ("ttft_breakdown.py", "ttft_breakdown.json", "excess"),
+    ],
+)
+def test_engine_benchmark_smoke(tmp_path, prefill_model, script, result, table):
+    """A TTFT benchmark's smoke run (every configuration's engine, short inputs, 3 reps;
+    the script itself fails a run whose requests did not load what they should): its
+    JSON has the keys of the committed full run."""
+    out = tmp_path / result
+    res = run_script(script, "--model-dir", prefill_model, "--json", str(out), timeout_s=580)
+    assert table in res.stdout
+    assert json_keys(out) == committed_keys(result)
+
+
+@pytest.mark.timeout(600)
+def test_bench_serve_smoke(tmp_path):
+    """Every mode's OpenAI server, ``vllm bench serve`` twice each on 2 prompts."""
+    out = tmp_path / "bench_serve.json"
+    res = run_script(
+        "bench_serve.py", "--model-dir", str(tmp_path / "model"), "--json", str(out),
+        timeout_s=580,
+    )  # fmt: skip
+    assert "run 2 mean" in res.stdout
+    assert json_keys(out) == committed_keys("bench_serve.json")
+    kvray = next(row for row in json.loads(out.read_text())["table"] if row["mode"] == "kvray")
+    assert kvray["run2_blocks"] > 0 and kvray["run2_hits"] == kvray["run2_blocks"]
+
+
+DEMO_KEYS = {
+    "meta", "passes",
+    *(f"meta.{k}" for k in ("commit", "machine", "requests", "prefix_tokens", "groups",
+                            "suffix_tokens")),
+    *(f"passes[].{k}" for k in ("pass", "ttft_p50_s", "ttft_mean_s", "ttfts_s",
+                                "pool_hit_rate", "blocks_loaded", "blocks_stored")),
+}  # fmt: skip
+"""What scripts/demo_vllm.py writes (the full run's keys: its arguments only size the
+workload)."""
+
+NOISE = {
+    "Traceback": "a traceback",
+    "SIGTERM received": "a SIGTERMed process's stack dump",
+    "leaked shared_memory": "the resource tracker's leaked shared memory warning",
+    "force killing": "vLLM force-killing a process that did not exit in time",
+}
+
+
+@pytest.mark.timeout(420)
+def test_demo_vllm_smoke_ends_quietly(tmp_path, prefill_model):
+    """``make demo``'s script, smoke-sized: pass 2 loads every prefix block from the pool,
+    and the run ends without noise."""
+    out = tmp_path / "demo.json"
+    res = run_script(
+        "demo_vllm.py", "--model-dir", prefill_model, "--json", str(out),
+        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}, timeout_s=400,
+    )  # fmt: skip
+    assert "pool hit rate" in res.stdout
+    assert json_keys(out) == DEMO_KEYS
+    first, second = json.loads(out.read_text())["passes"]
+    assert first["blocks_stored"] > 0 and second["blocks_stored"] == 0
+    assert second["pool_hit_rate"] == 1.0 and second["blocks_loaded"] > 0
+    found = [what for text, what in NOISE.items() if text in res.stdout + res.stderr]
+    assert not found, f"the demo's run printed {found}:\n{res.stderr[-6000:]}"

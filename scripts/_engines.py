@@ -145,24 +145,41 @@ def start_bench_pool(
     segment: str = "4GB", local_buffer: str = "256MB", master: dict[str, Any] | None = None
 ) -> tuple[Any, str]:
     """A local loopback Ray and a kvray pool ``bench`` (embedded master, one client per
-    node); returns the pool and the Ray address engines join."""
+    node, the default config otherwise: block checksums on); returns the pool and the Ray
+    address engines join."""
     import ray
 
-    from kvray import Pool, PoolConfig
     from kvray.ray_env import ray_init
 
     print("== starting Ray (loopback) and a kvray pool with its embedded master", file=sys.stderr)
     ray_init("local", num_cpus=4)
+    pool = bench_pool("bench", segment, local_buffer, master)
+    return pool, ray.get_runtime_context().gcs_address
+
+
+def bench_pool(
+    name: str,
+    segment: str,
+    local_buffer: str,
+    master: dict[str, Any] | None = None,
+    *,
+    checksum: bool = True,
+) -> Any:
+    """A kvray pool ``name`` in the connected Ray cluster (embedded master, one client per
+    node); ``checksum=False``: without block checksums (what they cost is measured
+    against it)."""
+    from kvray import Pool, PoolConfig
+
     spec: dict[str, Any] = {
-        "name": "bench",
+        "name": name,
         "world_size": 1,
         "detached": False,
+        "checksum": checksum,
         "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
     }
     if master is not None:
         spec["master"] = master
-    pool = Pool.start(PoolConfig.from_dict(spec, environ={}))
-    return pool, ray.get_runtime_context().gcs_address
+    return Pool.start(PoolConfig.from_dict(spec, environ={}))
 
 
 def interleaved(

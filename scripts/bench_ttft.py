@@ -55,6 +55,7 @@ from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     Engine,
+    bench_pool,
     engine_env,
     interleaved,
     kvray_transfer_config,
@@ -62,10 +63,18 @@ from _engines import (  # noqa: E402
     start_bench_pool,
     start_peer_master,
 )
+from _stats import paired_ratio, pct  # noqa: E402
 
-CONFIGS = ("full", "local", "kvray", "staged", "peer")
+CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock")
 DEFAULT_CONFIGS = "full,local,kvray,peer"
-LABELS = {"full": "full", "local": "ideal", "kvray": "kvray", "staged": "staged", "peer": "peer"}
+LABELS = {
+    "full": "full",
+    "local": "ideal",
+    "kvray": "kvray",
+    "staged": "staged",
+    "peer": "peer",
+    "nock": "no-cksum",
+}
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
 """``--smoke``: every configuration, one short input with and without hits, 3 reps."""
@@ -77,11 +86,11 @@ def log(msg: str) -> None:
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
-    if name in ("kvray", "staged"):
+    if name in ("kvray", "staged", "nock"):
         extra = {
-            "pool_name": "bench",
+            "pool_name": "bench-nock" if name == "nock" else "bench",
             "load_async": False,
-            "kv_placement": "shared" if name == "kvray" else "staged",
+            "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
@@ -133,6 +142,12 @@ def main() -> int:
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
     pool, ray_address = start_bench_pool(segment="2GB", master=master)
+    # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock)
+    nock_pool = (
+        bench_pool("bench-nock", "2GB", "256MB", master, checksum=False)
+        if ("nock" in configs)
+        else None
+    )
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     peer_master = None
     engines: dict[str, Engine] = {}
@@ -165,6 +180,8 @@ def main() -> int:
             e.close()
         if peer_master is not None:
             peer_master.stop()
+        if nock_pool is not None:
+            nock_pool.shutdown()
         pool.shutdown()
         ray.shutdown()
     shutil.rmtree(tmp)  # engine logs: kept when the run failed
@@ -178,8 +195,12 @@ def main() -> int:
                 row[f"ttft_{name}_s"] = statistics.median(times)
                 row[f"reps_{name}_s"] = times
                 row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
+            if "nock" in configs and "kvray" in configs:
+                row["checksum_cost"] = paired_ratio(row["reps_kvray_s"], row["reps_nock_s"])
             rows.append(row)
     print_table(rows, configs)
+    if "nock" in configs and "kvray" in configs:
+        print_checksum_cost(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_meta(
@@ -194,6 +215,24 @@ def main() -> int:
         plot(rows, args.json.with_suffix(".png"))
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
+    """What block checksums add to TTFT: per row, the median of the per-rep ratios kvray
+    (checksums on, the default) / no-cksum (the same engine config on a pool without),
+    with its 95 % bootstrap interval."""
+    print(f"\n{'input':>6} {'hit':>5} {'checksum cost':>14} {'95% CI':>17} {'pairs':>6}")
+    for r in rows:
+        c = r["checksum_cost"]
+        lo, hi = c["ci95"]
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {pct(c['median']):>14} "
+            f"{'[' + pct(lo) + ', ' + pct(hi) + ']':>17} {c['pairs']:>6}"
+        )
+    print(
+        "checksum cost = median over reps of TTFT(kvray) / TTFT(no-cksum) - 1 (paired: the "
+        "reps ran interleaved); 0 % hit rows: the save side"
+    )
 
 
 def check_cached(name: str, cached: int, prefix_len: int, length: int) -> None:

@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Both install what is
 # missing first (scripts/setup.sh is idempotent).
-.PHONY: setup demo demo-pool test lint unit integration bench clean
+.PHONY: setup demo demo-pool test lint unit integration bench smoke clean
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 VENV := .venv/bin
@@ -8,11 +8,16 @@ VENV := .venv/bin
 setup:
 	@scripts/setup.sh
 
+# ARGS: more arguments for the script, e.g. `make demo ARGS=--smoke` (the same run,
+# smaller) or `make bench ARGS="--reps 7" BENCH_JSON=/tmp/bench_store.json`.
+ARGS ?=
+BENCH_JSON ?= bench-results/bench_store.json
+
 demo: setup
-	$(VENV)/python scripts/demo_vllm.py
+	$(VENV)/python scripts/demo_vllm.py $(ARGS)
 
 demo-pool: setup
-	$(VENV)/python scripts/demo_pool.py
+	$(VENV)/python scripts/demo_pool.py $(ARGS)
 
 lint: setup
 	$(VENV)/ruff check .
@@ -29,7 +34,13 @@ integration: setup
 	$(VENV)/pytest -q tests/integration
 
 bench: setup
-	$(VENV)/python scripts/bench_store.py --json bench-results/bench_store.json
+	$(VENV)/python scripts/bench_store.py --json $(BENCH_JSON) $(ARGS)
+
+# Every script's smoke run (--smoke: its full run with small arguments), as the suite
+# runs them: tests/*/test_scripts.py and tests/unit/test_device_check.py.
+smoke: setup
+	$(VENV)/pytest -q tests/unit/test_scripts.py tests/unit/test_device_check.py \
+		tests/integration/test_scripts.py tests/e2e/test_scripts.py
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -27,6 +27,7 @@ _made: list[str] = []
 @pytest.fixture(params=["mooncake", "yuanrong"])
 async def store(request, monkeypatch):
     monkeypatch.setattr(checksum, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(checksum, "GET_CHUNK_BYTES", CHUNK)
     inner = BACKENDS[request.param](request)  # the contract suite's real-server clients
     wrapped = ChecksummedBackend(inner)
     yield wrapped

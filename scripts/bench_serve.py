@@ -10,7 +10,10 @@ SIGSTOP so their background threads do not take the measured server's CPU):
 - ``peer``: vLLM's MooncakeStoreConnector (in-process Mooncake client, embedded mode,
   its own mooncake_master with the kvray master's settings), prefix caching off;
 - ``kvray``: KVRayConnector on a kvray pool, prefix caching off;
-- ``staged``: the same through the ``staged`` placement (with ``--modes ...,staged``).
+- ``staged``: the same through the ``staged`` placement (with ``--modes ...,staged``);
+- ``nock``: ``kvray`` on a second pool without block checksums (with ``--modes ...,nock``):
+  with ``kvray`` beside it, the run prints what checksums cost run 2's mean TTFT (median of
+  the per-rep ratios, 95 % bootstrap interval).
 
 Reps are interleaved: every rep runs each mode in turn (order rotated per rep) on fresh
 prompts (the rep's seed), so run 1 is cold again. The benchmark client is vLLM's own
@@ -50,6 +53,7 @@ sys.path.insert(0, str(HERE))
 from _cli import parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
+    bench_pool,
     engine_env,
     kvray_transfer_config,
     run_meta,
@@ -57,6 +61,7 @@ from _engines import (  # noqa: E402
     start_peer_master,
     wait_http_ready,
 )
+from _stats import paired_ratio, pct  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 SMOKE = ["--input-len", "256", "--num-prompts", "2", "--reps", "1", "--kv-cache-gb", "1"]
@@ -88,11 +93,11 @@ class Server:
             "--seed", "0",
         ]  # fmt: skip
         cmd.append("--enable-prefix-caching" if mode == "local" else "--no-enable-prefix-caching")
-        if mode in ("kvray", "staged"):
+        if mode in ("kvray", "staged", "nock"):
             extra = {
-                "pool_name": "bench",
+                "pool_name": "bench-nock" if mode == "nock" else "bench",
                 "load_async": False,
-                "kv_placement": "shared" if mode == "kvray" else "staged",
+                "kv_placement": "staged" if mode == "staged" else "shared",
                 "model_namespace": f"bench-serve-{mode}",
             }
             cmd += ["--kv-transfer-config", json.dumps(kvray_transfer_config(extra))]
@@ -194,9 +199,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
     args = parse(parser, SMOKE)
     modes = args.modes.split(",")
-    unknown = set(modes) - {*MODES, "staged"}
+    unknown = set(modes) - {*MODES, "staged", "nock"}
     if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged")
+        parser.error(
+            f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged, nock"
+        )
     if args.reps < 1:
         parser.error("--reps must be >= 1")
 
@@ -216,13 +223,18 @@ def main() -> int:
     master_settings = MooncakeMasterConfig()
     env = engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)
     pool = None
+    nock_pool = None
     peer_master = None
     servers: dict[str, Server] = {}
     runs: list[dict[str, Any]] = []
     try:
-        if {"kvray", "staged"} & set(modes):
+        if {"kvray", "staged", "nock"} & set(modes):
             pool, env["RAY_ADDRESS"] = start_bench_pool(
                 local_buffer="512MB", master=master_settings.model_dump()
+            )
+        if "nock" in modes:
+            nock_pool = bench_pool(
+                "bench-nock", "4GB", "512MB", master_settings.model_dump(), checksum=False
             )
         if "peer" in modes:
             peer_master, peer_env = start_peer_master(
@@ -270,12 +282,15 @@ def main() -> int:
             s.stop()
         if peer_master is not None:
             peer_master.stop()
+        if nock_pool is not None:
+            nock_pool.shutdown()
         if pool is not None:
             pool.shutdown()
             ray.shutdown()
     shutil.rmtree(tmp)  # server logs: kept when the run failed
 
     table = summarize(runs, modes)
+    checksum = checksum_cost(runs) if {"kvray", "nock"} <= set(modes) else None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_meta(
@@ -284,10 +299,31 @@ def main() -> int:
             num_prompts=args.num_prompts,
             order="interleaved: per rep every mode in turn, rotated; others paused (SIGSTOP)",
         )
-        args.json.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=2))
+        results: dict[str, Any] = {"meta": meta, "table": table, "runs": runs}
+        if checksum is not None:
+            results["checksum_cost"] = checksum
+        args.json.write_text(json.dumps(results, indent=2))
         plot(table, args.json.with_suffix(".png"))
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+def checksum_cost(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run 2's mean TTFT with block checksums (kvray) over without (nock), per rep."""
+
+    def run2(mode: str) -> list[float]:
+        sel = sorted(
+            (r for r in runs if r["mode"] == mode and r["run"] == 2), key=lambda r: r["rep"]
+        )
+        return [r["mean_ttft_ms"] for r in sel]
+
+    cost = paired_ratio(run2("kvray"), run2("nock"))
+    lo, hi = cost["ci95"]
+    print(
+        f"checksum cost on run 2's mean TTFT: {pct(cost['median'])} (95 % CI {pct(lo)} .. "
+        f"{pct(hi)}, {cost['pairs']} paired reps: kvray / nock)"
+    )
+    return cost
 
 
 def summarize(runs: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:

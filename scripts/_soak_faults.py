@@ -192,14 +192,18 @@ class Faults:
             "old_pid_gone": pid_gone(pid), "ray_restarts_before": restarts,
             "ray_restarts_after": new_restarts, "restarted_s": restarted_s,
         }  # fmt: skip
+        what = f"BackendClient pid {pid} -> {new_pid}, Ray restarts {restarts} -> {new_restarts}"
+        return self._back_after_kill(f"{what} ({restarted_s:.1f} s)", pid, shown, killed)
+
+    def _back_after_kill(
+        self, what: str, pid: int, shown: dict[str, Any], killed: float
+    ) -> Evidence:
+        """A kill's evidence, once the process was restarted: the old one is gone, and
+        the DRAM tier takes a put again."""
         if not shown["old_pid_gone"]:
             raise FaultNotShown(f"pid {pid} still runs after SIGKILL", shown)
         _, shown["dram_serves_s"] = self._until(self._dram_takes_a_put, "DRAM serves", killed)
-        return Evidence(
-            f"BackendClient pid {pid} -> {new_pid}, Ray restarts {restarts} -> {new_restarts} "
-            f"({restarted_s:.1f} s), DRAM serves after {shown['dram_serves_s']:.1f} s",
-            shown,
-        )
+        return Evidence(f"{what}, DRAM serves after {shown['dram_serves_s']:.1f} s", shown)
 
     def kill_master(self) -> Evidence:
         manager = self._manager()
@@ -224,14 +228,8 @@ class Faults:
             "restarts_before": restarts, "restarts_after": new_restarts,
             "restarted_s": restarted_s,
         }  # fmt: skip
-        if not shown["old_pid_gone"]:
-            raise FaultNotShown(f"pid {pid} still runs after SIGKILL", shown)
-        _, shown["dram_serves_s"] = self._until(self._dram_takes_a_put, "DRAM serves", killed)
-        return Evidence(
-            f"mooncake_master pid {pid} -> {new_pid}, restarts {restarts} -> {new_restarts} "
-            f"({restarted_s:.1f} s), DRAM serves after {shown['dram_serves_s']:.1f} s",
-            shown,
-        )
+        what = f"mooncake_master pid {pid} -> {new_pid}, restarts {restarts} -> {new_restarts}"
+        return self._back_after_kill(f"{what} ({restarted_s:.1f} s)", pid, shown, killed)
 
     def remove_blocks(self) -> Evidence:
         def stored() -> dict[int, list[str]] | None:

@@ -13,6 +13,8 @@ use, with the byte size of that stage's layers."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -35,7 +37,7 @@ def test_decode_stores_split_by_prefill_pp_stage_and_loads_it_back(
 ):
     from pathlib import Path
 
-    from kvray.keys import KeySpace, KVLayout
+    from kvray.keys import KeySpace, geometry_digest
 
     decode = {"extra": {"pool_name": "e2e-pp", "namespace": "kvray", "consumer_is_to_put": True,
                         "consumer_is_to_load": True, "prefill_pp_size": 2,
@@ -52,10 +54,22 @@ def test_decode_stores_split_by_prefill_pp_stage_and_loads_it_back(
     assert "blocks split by prefill PP partition [1, 1]" in out["log"]
 
     # What each stage of the PP=2 prefill instance (TP 1) looks up: its PP rank's keys,
-    # each holding its one layer of the block.
+    # each holding its one layer of the block. Their geometry is what a stage worker's
+    # own KV cache gives (vLLM's CPU layout, one plane of 4 heads x 128 tokens x K|V of
+    # 64: p4x128x128; the stage's one layer), and the decode must have keyed them so.
     (hashes,) = out["block_hashes"]
     full = [bytes.fromhex(h) for h in hashes[:3]]
-    prefill = KeySpace(Path(tiny_model).name, KVLayout("float32", 128, 4, 64).tag(), 1, 2)
+    found = re.search(
+        r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)", out["log"]
+    )
+    assert found is not None, out["log"][-3000:]
+    namespace, layout, logged = found.groups()
+    assert namespace.startswith(f"{Path(tiny_model).name}-m") and layout == "float32-b128-h4x64"
+    stage_geometries = tuple(
+        geometry_digest("p4x128x128", [f"model.layers.{i}.self_attn.attn"]) for i in (0, 1)
+    )
+    assert logged.split(",") == list(stage_geometries)
+    prefill = KeySpace(namespace, layout, 1, 2, geometries=stage_geometries)
     stages = []
     for stage in (0, 1):
         keys = prefill.rank_key_strs(full, stage)  # rank = pp_rank * tp + tp_rank

@@ -127,6 +127,22 @@ def connector(pool_name: str = "e2e", **extra):  # type: ignore[no-untyped-def]
     return {"extra": {"pool_name": pool_name, "namespace": "kvray", **extra}}
 
 
+def logged_key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1):  # type: ignore[no-untyped-def]
+    """The engine's keys as its scheduler logged them once its workers sent their block
+    geometries (``KVRayConnector scheduler: keys NS@LAYOUT, block geometries G,...``): the
+    namespace (with the model digest unless model_namespace set it) and each rank's
+    geometry come from the engine, not from the test."""
+    from kvray.keys import KeySpace
+
+    found = re.search(
+        r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)", log
+    )
+    assert found is not None, f"the engine logged no key space:\n{log[-3000:]}"
+    namespace, layout, geometries = found.groups()
+    g = tuple(geometries.split(","))
+    return KeySpace(namespace, layout, len(g) // pp_size, pp_size, layer_groups, g)
+
+
 def request_lines(log: str) -> list[dict[str, int]]:
     lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
     return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]

@@ -18,6 +18,7 @@ from .conftest import (
     P2,
     P3,
     assert_no_region_left,
+    logged_key_space,
     request_lines,
     run_engine,
     start_engine,
@@ -241,15 +242,14 @@ def test_negative_control_corrupted_blocks_change_the_output(
     these tests rests on this: with this model and prompt, wrong KV bytes show."""
     import numpy as np
 
-    from kvray.keys import KeySpace, KVLayout
-
     ns = "tiny-negative-control"
     spec = {"model": tiny_model, "connector": _connector(model_namespace=ns, load_async=False)}
     stored = run_engine(ray_cluster, tmp_path, "neg-store", {
         **spec, "runs": [[P1]], "wait_saves_for": "e2e", "record_hashes": True})  # fmt: skip
     assert stored["runs"][0]["outputs"][0] == baseline["P1"]
     hashes = [bytes.fromhex(h) for h in stored["block_hashes"][0][:4]]
-    space = KeySpace(ns, KVLayout("float32", 128, 4, 64).tag())  # the tiny Llama's layout
+    space = logged_key_space(stored["log"])
+    assert (space.namespace, space.layout) == (ns, "float32-b128-h4x64")  # the tiny Llama's
     keys = space.lookup_key_strs(hashes)
     assert all(pool.exists(keys)), "the first run did not store P1's 4 blocks"
     block_bytes = 2 * 2 * 128 * 4 * 64 * 4  # K and V, 2 layers, float32
@@ -283,14 +283,13 @@ def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
 
     from kvray.backends import make_backend
     from kvray.backends.base import KeyStatus
-    from kvray.keys import KeySpace, KVLayout
 
     ns = "tiny-corrupt"
     spec = {"model": tiny_model, "connector": _connector(model_namespace=ns, load_async=False)}
     stored = run_engine(ray_cluster, tmp_path, "corrupt-store", {
         **spec, "runs": [[P1]], "wait_saves_for": "e2e", "record_hashes": True})  # fmt: skip
     hashes = [bytes.fromhex(h) for h in stored["block_hashes"][0][:4]]
-    keys = KeySpace(ns, KVLayout("float32", 128, 4, 64).tag()).lookup_key_strs(hashes)
+    keys = logged_key_space(stored["log"]).lookup_key_strs(hashes)
     value = 2 * 2 * 128 * 4 * 64 * 4 + 8  # K and V, 2 layers, float32; and the trailer
 
     async def flip_one_bit_each() -> None:
@@ -325,11 +324,10 @@ def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
     assert pool.stats().total.get_corrupt - before == 4
 
 
-def _layerwise_keys(placement: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
-    from kvray.keys import KeySpace, KVLayout
-
-    layout = KVLayout("float32", 128, 4, 64).tag()  # the tiny Llama on vLLM's CPU backend
-    space = KeySpace(f"tiny-lw-{placement}", layout, layer_groups=groups)
+def _layerwise_keys(log: str, hashes: list[str], groups: int):  # type: ignore[no-untyped-def]
+    """The engine's keys (its logged namespace, layout and geometries) with ``groups``
+    layer groups per block."""
+    space = logged_key_space(log, layer_groups=groups)
     return space.lookup_key_strs([bytes.fromhex(h) for h in hashes])
 
 
@@ -350,8 +348,9 @@ def test_layerwise_save_then_load(pool, ray_cluster, tiny_model, baseline, tmp_p
     assert (second["hit_pool"], second["loaded"], second["failed"]) == (4, 4, 0)
     assert "layer-wise transfers, 2 layer groups of [1, 1] layers" in out["log"]
     hashes = out["block_hashes"][0][:4]
-    assert all(pool.exists(_layerwise_keys(placement, hashes, 2)))
-    assert not any(pool.exists(_layerwise_keys(placement, hashes, 1)))
+    assert logged_key_space(out["log"]).namespace == f"tiny-lw-{placement}"
+    assert all(pool.exists(_layerwise_keys(out["log"], hashes, 2)))
+    assert not any(pool.exists(_layerwise_keys(out["log"], hashes, 1)))
     if placement == "shared":
         return
     plain = run_engine(ray_cluster, tmp_path, "not-layerwise", {

@@ -30,7 +30,15 @@ import pytest
 
 from kvray.misses import LOOKUP_REASONS, REASONS
 
-from .conftest import P1, P2, P3, assert_no_region_left, request_lines, start_pool
+from .conftest import (
+    P1,
+    P2,
+    P3,
+    assert_no_region_left,
+    logged_key_space,
+    request_lines,
+    start_pool,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -292,9 +300,9 @@ def test_chat_completion_through_proxy(pd):
 def test_decode_waits_for_the_prefill_blocks_it_was_told_about(pd, baseline):
     """The decode request arrives first, carrying the kv_transfer_params a prefill answer
     would give; it waits (pd_wait_ms) until the prefill has stored them, then loads them."""
-    from kvray.keys import KVLayout
-
-    space = [Path(pd.model).name, KVLayout("float32", 128, 4, 64).tag(), 1, 1]
+    logged = logged_key_space(pd.decode.log.read_text(errors="replace"))
+    assert logged.namespace.startswith(f"{Path(pd.model).name}-m")  # the model digest
+    space = [logged.namespace, "float32-b128-h4x64", 1, 1]
     told = {"kvray": {"pool": "kvray", "space": space, "blocks": 3}}
     n_dec = len(pd.decode.lines())
     answer: dict = {}

@@ -15,12 +15,13 @@ node). What it does not: bytes written wrong by the writer itself (they are chec
 as written), and device memory (the NPU device path stores no trailer).
 
 Trailers live in a small registered arena of this client (8 bytes per key in flight).
-Digests run on threads of their own (xxhash releases the GIL) in chunks of
-~:data:`CHUNK_BYTES`: a chunk's digests are computed while the next chunk's bytes move,
-and a chunk's keys are split across the threads (a hit of a few MiB is verified by all of
-them at once, right after its bytes landed, while they are still in cache). Cost: see
-docs/reliability.md, "Block checksums" (bench_ttft's checksum rows, bench_store's
-"checksum cost").
+A load is verified where its bytes land: the adapter moves the keys in groups of about
+:data:`~kvray.backends.base.CHECK_GROUP_BYTES` and each group's digests run on the same
+I/O thread right after its native call returned, while the bytes are still in that core's
+cache (xxhash releases the GIL, so the adapter's threads verify in parallel). A put is
+sealed on threads of their own in chunks of ~:data:`CHUNK_BYTES`, a chunk's digests
+computed while the previous chunk's bytes move. Cost: see docs/reliability.md, "Block
+checksums" (bench_ttft's checksum rows, bench_store's "checksum cost").
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvray.backends.base import Backend, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +48,6 @@ TRAILER = 8
 CHUNK_BYTES = 64 << 20
 """A put is sealed and moved in chunks of about this many bytes, pipelined (measured on 2
 cores: 8 MiB chunks cost a quarter of the put rate in call overhead, 64 MiB none)."""
-GET_CHUNK_BYTES = 4 << 20
-"""A get is moved and verified in chunks of about this many bytes, all in flight at once:
-each chunk is verified as soon as its bytes landed, while they are still in cache, and
-its verification overlaps the next chunks' copies. Measured here (2 cores, 56 MiB): a
-digest of cold memory costs ~7 ms, of a 2 MiB chunk just copied next to nothing; one
-64 MiB chunk verified after the whole hit landed added ~12 % to a hit's TTFT."""
 ARENA_SLOTS = 1 << 16
 """Trailer slots registered at a time (512 KiB); more are added when batches need them."""
 
@@ -218,19 +213,21 @@ class ChecksummedBackend(Backend):
 
         return await self._pipelined(keys, ptrs, sizes, chunk, CHUNK_BYTES) if keys else []
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
-        async def chunk(k: Sequence[str], p: Pieces, s: Pieces, t: Slots) -> list[KeyStatus]:
-            statuses = await self.inner.get(k, *self._with_trailers(p, s, t))
-            if KeyStatus.OK not in statuses:
-                return statuses
-            checked: list[KeyStatus] = await self._split(
-                self._check, len(k), s, k, p, s, t, statuses
-            )
-            return checked
-
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
         if not keys:
             return []
-        out = await self._pipelined(keys, ptrs, sizes, chunk, GET_CHUNK_BYTES)
+        slots = await self._arena.take(len(keys))
+
+        def verify(lo: int, hi: int, statuses: list[KeyStatus]) -> list[KeyStatus]:
+            out = self._check(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi], statuses)
+            return check(lo, hi, out) if check and KeyStatus.OK in out else out
+
+        try:
+            out = await self.inner.get(keys, *self._with_trailers(ptrs, sizes, slots), check=verify)
+        finally:
+            self._arena.give(slots)
         bad = [k for k, st in zip(keys, out, strict=True) if st is KeyStatus.CORRUPT]
         if bad:
             self.corrupt += len(bad)

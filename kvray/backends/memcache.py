@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvray.backends.base import Backend, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
@@ -291,20 +291,42 @@ class MemcacheBackend(Backend):
         # A put of an existing key writes nothing: first write wins, as in the contract.
         return [KeyStatus.OK if c == DUPLICATED_OBJECT else status_of(c) for c in codes]
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
         if not keys:
             return []
         enc = self._encode(keys)
-        codes = await self._call(
-            self._store.batch_get_into_layers,
-            enc,
-            [list(p) for p in ptrs],
-            [list(s) for s in sizes],
-            self._get_direct,
-        )
+        checked: dict[int, KeyStatus] = {}
+
+        def read() -> list[int]:
+            """One native call, or (with ``check``) one per group, each checked as soon as
+            it returns; what a check changed is kept in ``checked``."""
+            codes: list[int] = []
+            for a, b in groups(sizes, 0, len(enc)) if check else [(0, len(enc))]:
+                got = list(
+                    self._store.batch_get_into_layers(
+                        enc[a:b],
+                        [list(p) for p in ptrs[a:b]],
+                        [list(s) for s in sizes[a:b]],
+                        self._get_direct,
+                    )
+                )
+                codes += got
+                landed = [KeyStatus.OK if c > 0 else status_of(c) for c in got]
+                if check and KeyStatus.OK in landed:
+                    for i, (was, now) in enumerate(zip(landed, check(a, b, landed), strict=True)):
+                        if now is not was:
+                            checked[a + i] = now
+            return codes
+
+        codes = await self._call(read)
         self._raise_if_unavailable("get", codes)
-        out = [status_of(c) if c <= 0 else KeyStatus.OK for c in codes]
-        failed = [i for i, s in enumerate(out) if s is not KeyStatus.OK]
+        out = [
+            checked.get(i) or (status_of(c) if c <= 0 else KeyStatus.OK)
+            for i, c in enumerate(codes)
+        ]
+        failed = [i for i, s in enumerate(out) if s not in (KeyStatus.OK, KeyStatus.CORRUPT)]
         if failed:
             # Say why from the object's metadata: absent, another size, or a failed copy.
             infos = await self._call(self._store.batch_get_key_info, [enc[i] for i in failed])

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvray.backends.base import Backend, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
 from kvray.servers.process import check_reachable
@@ -90,6 +90,16 @@ def _raise_if_unavailable(op: str, codes: Sequence[int], address: str) -> None:
 
 def _total(sizes: Pieces) -> int:
     return sum(sum(s) for s in sizes)
+
+
+def _got(code: int, sizes: Sequence[int]) -> KeyStatus:
+    """A get's per-key outcome: ``code`` is the bytes read, or a negative error code."""
+    if code >= 0:
+        return KeyStatus.OK if code == sum(sizes) else KeyStatus.SIZE_MISMATCH
+    if code == INVALID_PARAMS:
+        # get_into answers -600 when the destination is smaller than the object.
+        return KeyStatus.SIZE_MISMATCH
+    return status_of(code)
 
 
 def check_master_reachable(address: str, timeout_s: float = 2.0) -> None:
@@ -186,6 +196,14 @@ class MooncakeBackend(Backend):
         _raise_if_unavailable("exists", codes, self._address)
         return [c == 1 for c in codes]
 
+    def _slices(self, n: int, nbytes: int) -> list[tuple[int, int]]:
+        """One slice, or ``io_threads`` contiguous ones when the batch is large: each is
+        moved on one thread, and the native calls release the GIL, so big transfers use
+        several cores."""
+        parts = min(self._io_threads, n) if nbytes >= PARALLEL_MIN_BYTES else 1
+        bounds = [n * i // parts for i in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
     async def _split_call(
         self,
         fn: Callable[..., list[int]],
@@ -194,17 +212,11 @@ class MooncakeBackend(Backend):
         lists: list[list[Any]],
         *tail: Any,
     ) -> list[int]:
-        """One native batch call, or ``io_threads`` of them on contiguous slices when the
-        batch is large: each call copies on one thread, and the native calls release the
-        GIL, so big transfers use several cores."""
-        n = min(self._io_threads, len(keys)) if nbytes >= PARALLEL_MIN_BYTES else 1
-        if n <= 1:
-            return list(await self._call(fn, keys, *lists, *tail))
-        bounds = [len(keys) * i // n for i in range(n + 1)]
+        """``fn(keys, *lists, *tail)`` as one native batch call per slice (:meth:`_slices`)."""
         parts = await asyncio.gather(
             *(
                 self._call(fn, keys[lo:hi], *(col[lo:hi] for col in lists), *tail)
-                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+                for lo, hi in self._slices(len(keys), nbytes)
             )
         )
         return [code for part in parts for code in part]
@@ -235,30 +247,38 @@ class MooncakeBackend(Backend):
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
         if not keys:
             return []
         keys = list(keys)
-        lists: list[list[Any]]
-        if all(len(p) == 1 for p in ptrs):
-            lists = [[p[0] for p in ptrs], [s[0] for s in sizes]]
-            results = await self._split_call(self._store.batch_get_into, keys, _total(sizes), lists)
-        else:
-            lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
-            results = await self._split_call(
-                self._store.batch_get_into_multi_buffers, keys, _total(sizes), lists
-            )
-        _raise_if_unavailable("get", results, self._address)
-        out = []
-        for r, s in zip(results, sizes, strict=True):
-            if r >= 0:
-                out.append(KeyStatus.OK if r == sum(s) else KeyStatus.SIZE_MISMATCH)
-            elif r == INVALID_PARAMS:
-                # get_into answers -600 when the destination is smaller than the object.
-                out.append(KeyStatus.SIZE_MISMATCH)
-            else:
-                out.append(status_of(r))
-        return out
+        single = all(len(p) == 1 for p in ptrs)
+        fn = self._store.batch_get_into if single else self._store.batch_get_into_multi_buffers
+        lists: list[list[Any]] = (
+            [[p[0] for p in ptrs], [s[0] for s in sizes]]
+            if single
+            else [[list(p) for p in ptrs], [list(s) for s in sizes]]
+        )
+
+        def read(lo: int, hi: int) -> list[tuple[int, KeyStatus]]:
+            """Keys ``lo:hi``: one native call, or (with ``check``) one per group, each
+            checked as soon as it returns."""
+            out: list[tuple[int, KeyStatus]] = []
+            for a, b in groups(sizes, lo, hi) if check else [(lo, hi)]:
+                codes = list(fn(keys[a:b], *(col[a:b] for col in lists)))
+                statuses = [_got(r, s) for r, s in zip(codes, sizes[a:b], strict=True)]
+                if check and KeyStatus.OK in statuses:
+                    statuses = check(a, b, statuses)
+                out += zip(codes, statuses, strict=True)
+            return out
+
+        parts = await asyncio.gather(
+            *(self._call(read, lo, hi) for lo, hi in self._slices(len(keys), _total(sizes)))
+        )
+        results = [x for part in parts for x in part]
+        _raise_if_unavailable("get", [code for code, _ in results], self._address)
+        return [status for _, status in results]
 
     async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
         if not keys:

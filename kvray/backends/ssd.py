@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from kvray.backends.base import Backend, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces
 from kvray.config import SsdConfig
 from kvray.errors import BackendUnavailableError, ConfigError
 from kvray.paths import check_dir
@@ -345,8 +345,17 @@ class SsdBackend(Backend):
     ) -> list[KeyStatus]:
         return await self._each(self._write_one, keys, ptrs, sizes, [overwrite] * len(keys))
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
-        return await self._each(self._read_one, keys, ptrs, sizes)
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
+        if check is None:
+            return await self._each(self._read_one, keys, ptrs, sizes)
+
+        def read_and_check(i: int, key: str, p: Sequence[int], s: Sequence[int]) -> KeyStatus:
+            status = self._read_one(key, p, s)
+            return check(i, i + 1, [status])[0] if status is KeyStatus.OK else status
+
+        return await self._each(read_and_check, range(len(keys)), keys, ptrs, sizes)
 
     async def remove(self, keys: Sequence[str], *, force: bool = False) -> list[KeyStatus]:
         out = []

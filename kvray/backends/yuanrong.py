@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvray.backends.base import Backend, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import YuanrongConfig, parse_host_port
 from kvray.errors import BackendError, BackendUnavailableError
@@ -347,7 +347,9 @@ class YuanrongBackend(DatasystemBackend):
 
         return write, sum(sum(s) for s in sizes)
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
         if not keys:
             return []
         enc = self._encode(keys)
@@ -359,19 +361,23 @@ class YuanrongBackend(DatasystemBackend):
             except RuntimeError as exc:
                 # The SDK raises when every key of the call is missing.
                 return [classify(exc) or KeyStatus.ERROR] * (hi - lo)
-            out = []
-            for buf, p, s in zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True):
-                if buf is None:
-                    out.append(KeyStatus.NOT_FOUND)
-                    continue
-                if buf.GetSize() != sum(s):
-                    out.append(KeyStatus.SIZE_MISMATCH)
-                    continue
-                src = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-                for ptr, size in zip(p, s, strict=True):
-                    ctypes.memmove(ptr, src, size)
-                    src += size
-                out.append(KeyStatus.OK)
+            out: list[KeyStatus] = []
+            # Copied and (with ``check``) checked a group at a time, while it is in cache.
+            for a, b in groups(sizes, lo, hi) if check else [(lo, hi)]:
+                got = []
+                for buf, p, s in zip(bufs[a - lo : b - lo], ptrs[a:b], sizes[a:b], strict=True):
+                    if buf is None:
+                        got.append(KeyStatus.NOT_FOUND)
+                        continue
+                    if buf.GetSize() != sum(s):
+                        got.append(KeyStatus.SIZE_MISMATCH)
+                        continue
+                    src = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+                    for ptr, size in zip(p, s, strict=True):
+                        ctypes.memmove(ptr, src, size)
+                        src += size
+                    got.append(KeyStatus.OK)
+                out += check(a, b, got) if check and KeyStatus.OK in got else got
             return out
 
         return await self._split(read, len(enc), nbytes)

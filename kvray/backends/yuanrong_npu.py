@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvray.backends.base import KeyStatus, Pieces
+from kvray.backends.base import Check, KeyStatus, Pieces
 from kvray.backends.yuanrong import DatasystemBackend, classify, code_of, logger
 from kvray.errors import BackendUnavailableError
 
@@ -78,7 +78,11 @@ class YuanrongDeviceBackend(DatasystemBackend):
 
         return write, 0  # device copies: not split by size
 
-    async def get(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces) -> list[KeyStatus]:
+    async def get(
+        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
+    ) -> list[KeyStatus]:
+        if check is not None:
+            raise ValueError("the device data path moves device memory: the host cannot check it")
         if not keys:
             return []
         enc = self._encode(keys)

@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvray.backends import checksum
+from kvray.backends import base, checksum
 from kvray.backends.base import KeyStatus
 from kvray.backends.checksum import TRAILER, ChecksummedBackend
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.integration
 BLOCK = 512 << 10
 CHUNK = 4 << 20
 N = 2 * CHUNK // BLOCK + 3
-"""Blocks per batch: three chunks, so a bad block's status must land in the right one."""
+"""Blocks per batch: three chunks (and checked groups), so a bad block's status must land
+in the right one."""
 _ids = itertools.count()
 _made: list[str] = []
 
@@ -27,7 +28,7 @@ _made: list[str] = []
 @pytest.fixture(params=["mooncake", "yuanrong"])
 async def store(request, monkeypatch):
     monkeypatch.setattr(checksum, "CHUNK_BYTES", CHUNK)
-    monkeypatch.setattr(checksum, "GET_CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(base, "CHECK_GROUP_BYTES", CHUNK)
     inner = BACKENDS[request.param](request)  # the contract suite's real-server clients
     wrapped = ChecksummedBackend(inner)
     yield wrapped

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from kvray.connector.log_lines import request_counts
 
 
 class Engine:
@@ -126,8 +127,7 @@ class Engine:
 
     def request_lines(self) -> list[dict[str, int]]:
         """The connector's per-request lines (hit and load counts) so far."""
-        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
-        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
+        return request_counts(self.log_path.read_text())
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -62,6 +61,8 @@ from _engines import (  # noqa: E402
     wait_http_ready,
 )
 from _stats import paired_ratio, pct  # noqa: E402
+
+from kvray.connector.log_lines import request_counts  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 SMOKE = ["--input-len", "256", "--num-prompts", "2", "--reps", "1", "--kv-cache-gb", "1"]
@@ -120,8 +121,7 @@ class Server:
         os.killpg(self.proc.pid, signal.SIGCONT)
 
     def request_lines(self) -> list[dict[str, int]]:
-        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", self.log_path.read_text())
-        return [{k: int(v) for k, v in (kv.split("=") for kv in ln.split())} for ln in lines]
+        return request_counts(self.log_path.read_text())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

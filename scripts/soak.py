@@ -68,6 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engines import kvray_transfer_config, run_meta, wait_http_ready  # noqa: E402
 from _soak_faults import FAULTS, HOLDS, FaultNotShown, Faults  # noqa: E402
 
+from kvray.connector.log_lines import key_space, request_lines  # noqa: E402
+
 BLOCK = 128  # vLLM's CPU block size for the tiny model
 NAMESPACE = "soak"
 if TYPE_CHECKING:
@@ -110,28 +112,18 @@ class Server:
 
     def request_lines(self) -> dict[str, dict[str, int]]:
         text = self.log_path.read_text(errors="replace")
-        out: dict[str, dict[str, int]] = {}
-        for rid, rest in re.findall(r"request_id=(\S+) (total_blocks=.*)", text):
-            out[rid] = {k: int(v) for k, v in (kv.split("=") for kv in rest.split())}
-        return out
+        return {line.request_id: line.counts for line in request_lines(text)}
 
     def key_space(self, timeout_s: float = 60) -> KeySpace:
         """The connector's keys as its scheduler logs them once the workers sent their
         block geometries (part of every key: derived from the engine's KV caches, so
         read from the connector, not rebuilt here)."""
-        from kvray.keys import KeySpace
-
-        pattern = re.compile(
-            r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)"
-        )
         deadline = time.monotonic() + timeout_s
-        while (found := pattern.search(self.log_path.read_text(errors="replace"))) is None:
+        while (space := key_space(self.log_path.read_text(errors="replace"))) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server {self.name} logged no key space in {timeout_s:g} s")
             time.sleep(0.5)
-        namespace, layout, geometries = found.groups()
-        g = tuple(geometries.split(","))
-        return KeySpace(namespace, layout, tp_size=len(g), geometries=g)
+        return space
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:

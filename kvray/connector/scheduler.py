@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.hash_registration import HashRegistration
+from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT
 from kvray.connector.lookups import Lookups
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.pd_params import PDParams
@@ -148,7 +149,7 @@ class KVRayScheduler:
                 "workers (kvray's bug, or a vLLM whose executor does not collect it)"
             )
         logger.info(
-            "KVRayConnector scheduler: keys %s@%s, block geometries %s",
+            KEYS_FORMAT,
             space.namespace,
             space.layout,
             ",".join(full),
@@ -454,8 +455,7 @@ class KVRayScheduler:
     def _log_request(rid: str, st: RequestState, total: int) -> None:
         hit, loaded, failed = st.totals()
         logger.info(
-            "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d",
-            *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks),
+            REQUEST_FORMAT, *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks)
         )
 
     def has_pending_push_work(self) -> bool:

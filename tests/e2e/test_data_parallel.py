@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvray.connector.log_lines import request_lines
+
 from .conftest import prompts
 from .test_pd_proxy import STARTUP_S, Server
 
@@ -63,12 +65,9 @@ def _ssd_slots(log: str) -> dict[str, tuple[str, int]]:
 def _by_engine(log: str) -> dict[str, list[dict[str, int]]]:
     """Per EngineCore pid (one per DP rank), its per-request connector lines."""
     out: dict[str, list[dict[str, int]]] = {}
-    for pid, line in re.findall(
-        r"\((?:EngineCore\S*) pid=(\d+)\).*request_id=\S+ (total_blocks=.*)", log
-    ):
-        out.setdefault(pid, []).append(
-            {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
-        )
+    for line in request_lines(log):
+        if line.engine_pid is not None:
+            out.setdefault(line.engine_pid, []).append(line.counts)
     return out
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import P1, request_lines, run_engine
+from kvray.connector.log_lines import request_counts
+
+from .conftest import P1, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +47,7 @@ def _one_run(cluster: str, tmp: Path, name: str, model: str, extra: dict | None)
         spec["wait_saves_for"] = extra["pool_name"]
     out = run_engine(cluster, tmp, name, spec)
     out["tokens"] = out["runs"][0]["outputs"][0]
-    out["lines"] = request_lines(out["log"])
+    out["lines"] = request_counts(out["log"])
     return out
 
 

@@ -13,12 +13,12 @@ use, with the byte size of that stage's layers."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
-from .conftest import P3, request_lines, run_engine, start_pool
+from kvray.connector.log_lines import request_counts
+
+from .conftest import P3, logged_key_space, run_engine, start_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def test_decode_stores_split_by_prefill_pp_stage_and_loads_it_back(
          "record_hashes": True},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert (line["hit_pool"], line["saved"]) == (0, 3), line
     assert "blocks split by prefill PP partition [1, 1]" in out["log"]
 
@@ -59,16 +59,13 @@ def test_decode_stores_split_by_prefill_pp_stage_and_loads_it_back(
     # 64: p4x128x128; the stage's one layer), and the decode must have keyed them so.
     (hashes,) = out["block_hashes"]
     full = [bytes.fromhex(h) for h in hashes[:3]]
-    found = re.search(
-        r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)", out["log"]
-    )
-    assert found is not None, out["log"][-3000:]
-    namespace, layout, logged = found.groups()
+    logged = logged_key_space(out["log"], pp_size=2)
+    namespace, layout = logged.namespace, logged.layout
     assert namespace.startswith(f"{Path(tiny_model).name}-m") and layout == "float32-b128-h4x64"
     stage_geometries = tuple(
         geometry_digest("p4x128x128", [f"model.layers.{i}.self_attn.attn"]) for i in (0, 1)
     )
-    assert logged.split(",") == list(stage_geometries)
+    assert logged.geometries == stage_geometries
     prefill = KeySpace(namespace, layout, 1, 2, geometries=stage_geometries)
     stages = []
     for stage in (0, 1):
@@ -85,5 +82,5 @@ def test_decode_stores_split_by_prefill_pp_stage_and_loads_it_back(
         {"model": tiny_model, "connector": decode, "runs": [[P3]]},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (3, 3, 0), line

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from kvray.connector.log_lines import request_counts
 from kvray.misses import LOOKUP_REASONS, REASONS
 
 from .conftest import (
@@ -36,7 +37,6 @@ from .conftest import (
     P3,
     assert_no_region_left,
     logged_key_space,
-    request_lines,
     start_pool,
 )
 
@@ -119,7 +119,7 @@ class Server:
         return self.log.read_text(errors="replace")[-n:]
 
     def lines(self) -> list[dict[str, int]]:
-        return request_lines(self.log.read_text(errors="replace"))
+        return request_counts(self.log.read_text(errors="replace"))
 
     def pause(self) -> None:
         """SIGSTOP to the whole server (its idle engine's polling threads stop taking the

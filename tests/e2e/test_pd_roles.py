@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, P1, P3, connector, prompts, request_lines, run_engine
+from kvray.connector.log_lines import request_counts
+
+from .conftest import BLOCK, P1, P3, connector, prompts, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +30,7 @@ def test_producer_stores_and_consumer_flags(pool, ray_cluster, tiny_model, basel
         {"model": tiny_model, "connector": role("kv_producer"), "runs": [[P3]],
          "wait_saves_for": "e2e"},
     )  # fmt: skip
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert line["saved"] == 3 and line["hit_pool"] == 0
     # consumer that loads but does not store; then one that does neither (second engine
     # run in the same process: two runs of the same prompt)
@@ -40,7 +42,7 @@ def test_producer_stores_and_consumer_flags(pool, ray_cluster, tiny_model, basel
          "runs": [[P3]]},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert line["hit_pool"] == 3 and line["loaded"] == 3 and line["saved"] == 0
     out = run_engine(
         ray_cluster,
@@ -49,7 +51,7 @@ def test_producer_stores_and_consumer_flags(pool, ray_cluster, tiny_model, basel
         {"model": tiny_model, "connector": role("kv_consumer"), "runs": [[P3]]},
     )
     assert out["runs"][0]["outputs"][0] == baseline["P3"]
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert line["hit_pool"] == 0 and line["loaded"] == 0 and line["saved"] == 0
 
 
@@ -89,7 +91,7 @@ def test_inside_multiconnector_next_to_example_connector(
          "wait_saves_for": "e2e"},
     )  # fmt: skip
     assert [r["outputs"][0] for r in out["runs"]] == [baseline["P1"], baseline["P1"]]
-    lines = request_lines(out["log"])
+    lines = request_counts(out["log"])
     # KVRayConnector is first: it serves the second run's blocks from the pool.
     assert lines[-1]["hit_pool"] == 4 and lines[-1]["loaded"] == 4, lines
     assert (tmp_path / "kv").is_dir(), "the ExampleConnector next to it ran too"
@@ -110,5 +112,5 @@ def test_multiconnector_top_level_fail_policy_fails_a_request_whose_load_failed(
     )  # fmt: skip
     first_reasons, second_reasons = (r["finish_reasons"] for r in out["runs"])
     assert first_reasons != ["error"] and second_reasons == ["error"]
-    first, second = request_lines(out["log"])
+    first, second = request_counts(out["log"])
     assert first["saved"] == 2 and second["failed"] == 2, (first, second)

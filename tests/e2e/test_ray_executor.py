@@ -13,9 +13,10 @@ import os
 
 import pytest
 
+from kvray.connector.log_lines import request_counts
 from kvray.testing.vllm_ray_cpu import ENV
 
-from .conftest import BLOCK, prompts, request_lines, run_engine
+from .conftest import BLOCK, prompts, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -46,5 +47,5 @@ def test_ray_executor_loads_from_pool(pool, ray_cluster, tiny_model, tmp_path):
     first, second = (r["outputs"][0] for r in out["runs"])
     assert first == second
     assert "RayWorkerProc" in out["log"], out["log"][-3000:]  # vLLM's Ray worker actor
-    counts = [(ln["hit_pool"], ln["loaded"]) for ln in request_lines(out["log"])]
+    counts = [(ln["hit_pool"], ln["loaded"]) for ln in request_counts(out["log"])]
     assert counts == [(0, 0), (3, 3)], out["log"][-3000:]

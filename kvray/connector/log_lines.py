@@ -1,0 +1,81 @@
+"""The connector's log lines that tools read back: written with these formats (by
+:mod:`kvray.connector.scheduler`) and parsed here, and nowhere else.
+
+- one line per finished request, with its block counts::
+
+    request_id=cmpl-1 total_blocks=4 hit_local=0 hit_pool=4 loaded=4 failed=0 saved=0
+
+- one line when the scheduler knows its keys (the workers' block geometries arrived)::
+
+    KVRayConnector scheduler: keys tiny-m0123456789ab@float32-b128-h4x64, block geometries 5f..,a1..
+
+In an engine's own log, vLLM prefixes the lines of an engine-core process with
+``(EngineCore_DP0 pid=1234)``: :attr:`RequestLine.engine_pid` is that pid, when present.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvray.keys import KeySpace
+
+REQUEST_FORMAT = (
+    "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d"
+)
+"""The per-request line; its arguments in the order of :data:`COUNTS` after the id."""
+COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
+KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s"
+"""Namespace, layout, and the ranks' block geometries joined by commas."""
+
+_REQUEST = re.compile(
+    r"(?:\(EngineCore\S* pid=(\d+)\).*?)?request_id=(\S+) "
+    + " ".join(rf"{name}=(\d+)" for name in COUNTS)
+)
+_KEYS = re.compile(r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)")
+
+
+@dataclass(frozen=True)
+class RequestLine:
+    """One finished request's block counts, as the connector logged them."""
+
+    request_id: str
+    total_blocks: int
+    hit_local: int
+    hit_pool: int
+    loaded: int
+    failed: int
+    saved: int
+    engine_pid: str | None = None
+    """The engine-core process that logged it, where vLLM's prefix names one."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The counts alone, by name (for comparing a whole line at once)."""
+        return {name: getattr(self, name) for name in COUNTS}
+
+
+def request_lines(log: str) -> list[RequestLine]:
+    """Every per-request line in ``log``, in order."""
+    return [
+        RequestLine(rid, *(int(x) for x in counts), engine_pid=pid or None)
+        for pid, rid, *counts in _REQUEST.findall(log)
+    ]
+
+
+def request_counts(log: str) -> list[dict[str, int]]:
+    """The counts of every per-request line in ``log``, in order."""
+    return [line.counts for line in request_lines(log)]
+
+
+def key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1) -> KeySpace | None:
+    """The keys the scheduler logged (the first such line in ``log``), or None before it
+    logged them. The namespace (with the model digest unless ``model_namespace`` set it)
+    and each rank's geometry come from the engine; ``pp_size`` and ``layer_groups`` say
+    how its ranks are laid out."""
+    found = _KEYS.search(log)
+    if found is None:
+        return None
+    namespace, layout, geometries = found.groups()
+    g = tuple(geometries.split(","))
+    return KeySpace(namespace, layout, len(g) // pp_size, pp_size, layer_groups, g)

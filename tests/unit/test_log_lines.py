@@ -1,0 +1,52 @@
+"""The connector's log lines read back by tools (kvray/connector/log_lines.py): what the
+scheduler writes with the formats parses to the same values, inside vLLM's prefixes."""
+
+from __future__ import annotations
+
+from kvray.connector.log_lines import (
+    KEYS_FORMAT,
+    REQUEST_FORMAT,
+    key_space,
+    request_counts,
+    request_lines,
+)
+from kvray.keys import geometry_digest
+
+
+def test_request_lines_round_trip_with_and_without_an_engine_prefix():
+    log = "\n".join(
+        [
+            "(EngineCore_DP1 pid=4242) INFO 12-01 10:00:00 [scheduler.py:457] "
+            + REQUEST_FORMAT % ("cmpl-a-0", 4, 0, 4, 3, 1, 0),
+            "INFO kvray.connector.scheduler: " + REQUEST_FORMAT % ("r2", 2, 1, 0, 0, 0, 1),
+            "INFO some other line total_blocks=9",
+        ]
+    )
+    first, second = request_lines(log)
+    assert (first.request_id, first.engine_pid, first.loaded, first.failed) == (
+        "cmpl-a-0",
+        "4242",
+        3,
+        1,
+    )
+    assert (second.request_id, second.engine_pid) == ("r2", None)
+    assert request_counts(log) == [
+        {"total_blocks": 4, "hit_local": 0, "hit_pool": 4, "loaded": 3, "failed": 1, "saved": 0},
+        {"total_blocks": 2, "hit_local": 1, "hit_pool": 0, "loaded": 0, "failed": 0, "saved": 1},
+    ]
+
+
+def test_key_space_round_trips_and_is_none_before_the_line():
+    geos = [geometry_digest("p4x128x128", [f"model.layers.{i}.self_attn.attn"]) for i in (0, 1)]
+    assert key_space("nothing yet") is None
+    line = "(EngineCore pid=7) " + KEYS_FORMAT % (
+        "tiny-m0123456789ab",
+        "float32-b128-h4x64",
+        ",".join(geos),
+    )
+    tp = key_space(line)
+    assert tp is not None and (tp.namespace, tp.layout, tp.tp_size, tp.pp_size) == (
+        "tiny-m0123456789ab", "float32-b128-h4x64", 2, 1)  # fmt: skip
+    assert tp.geometries == tuple(geos)
+    pp = key_space(line, pp_size=2)
+    assert pp is not None and (pp.tp_size, pp.pp_size) == (1, 2)

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -246,26 +246,6 @@ def engine_env(tmp: Path, ray_address: str | None, kv_cache_gb: int = 1) -> dict
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     return env
-
-
-def wait_http_ready(
-    proc: subprocess.Popen[Any], port: int, name: str, tail: Callable[[], str], timeout_s: float
-) -> None:
-    """Until ``http://127.0.0.1:PORT/health`` answers; RuntimeError with the log's ``tail``
-    when the server exits or does not answer in ``timeout_s``."""
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {name} exited:\n{tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"server {name} not healthy in {timeout_s:.0f} s:\n{tail()}")
 
 
 def kvray_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:

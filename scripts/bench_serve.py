@@ -33,23 +33,17 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _cli import parse  # noqa: E402
+from _common import log, parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     bench_pool,
@@ -58,81 +52,33 @@ from _engines import (  # noqa: E402
     run_meta,
     start_bench_pool,
     start_peer_master,
-    wait_http_ready,
 )
 from _stats import paired_ratio, pct  # noqa: E402
 
-from kvray.connector.log_lines import request_counts  # noqa: E402
+from kvray.servers.process import free_port  # noqa: E402
+from kvray.testing.server import Server, vllm_serve_cmd  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 SMOKE = ["--input-len", "256", "--num-prompts", "2", "--reps", "1", "--kv-cache-gb", "1"]
 """``--smoke``: every mode, one rep of 2 prompts of 256 tokens (two blocks each)."""
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """One OpenAI server (its own process group, so it pauses as a whole)."""
-
-    def __init__(self, mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -> None:
-        self.mode = mode
-        self.port = free_port()
-        self.log_path = tmp / f"{mode}.log"
-        self._log: IO[str] = self.log_path.open("w")
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(max_len), "--enforce-eager", "--dtype", "float32",
-            "--seed", "0",
-        ]  # fmt: skip
-        cmd.append("--enable-prefix-caching" if mode == "local" else "--no-enable-prefix-caching")
-        if mode in ("kvray", "staged", "nock"):
-            extra = {
-                "pool_name": "bench-nock" if mode == "nock" else "bench",
-                "load_async": False,
-                "kv_placement": "staged" if mode == "staged" else "shared",
-                "model_namespace": f"bench-serve-{mode}",
-            }
-            cmd += ["--kv-transfer-config", json.dumps(kvray_transfer_config(extra))]
-        elif mode == "peer":
-            cmd += ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        wait_http_ready(self.proc, self.port, self.mode, self.tail, timeout_s)
-
-    def tail(self) -> str:
-        return self.log_path.read_text()[-4000:]
-
-    def pause(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def request_lines(self) -> list[dict[str, int]]:
-        return request_counts(self.log_path.read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.resume()
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+def serve(mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -> Server:
+    """One OpenAI server for ``mode`` (its own process group, so it pauses as a whole)."""
+    port = free_port()
+    extra: list[str] = []
+    if mode in ("kvray", "staged", "nock"):
+        connector = {
+            "pool_name": "bench-nock" if mode == "nock" else "bench",
+            "load_async": False,
+            "kv_placement": "staged" if mode == "staged" else "shared",
+            "model_namespace": f"bench-serve-{mode}",
+        }
+        extra = ["--kv-transfer-config", json.dumps(kvray_transfer_config(connector))]
+    elif mode == "peer":
+        extra = ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
+    cmd = vllm_serve_cmd(model, port, *extra, max_model_len=max_len, prefix_caching=mode == "local")
+    return Server(mode, cmd, env, tmp / f"{mode}.log", port=port)
 
 
 def bench_client() -> Callable[[list[str]], object]:
@@ -162,7 +108,7 @@ def bench_once(
     """One ``vllm bench serve`` run."""
     argv = [
         "--backend", "vllm",
-        "--base-url", f"http://127.0.0.1:{server.port}", "--model", model,
+        "--base-url", server.url(), "--model", model,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", "2", "--num-prompts", str(args.num_prompts),
         "--request-rate", "inf", "--seed", str(seed), "--ignore-eos",
@@ -172,11 +118,11 @@ def bench_once(
     try:
         client(argv)
     except Exception as exc:
-        raise RuntimeError(f"bench serve against {server.mode} failed: {exc!r}") from exc
+        raise RuntimeError(f"bench serve against {server.name} failed: {exc!r}") from exc
     result: dict[str, Any] = json.loads(out.read_text())
     if result.get("completed") != args.num_prompts:
         raise RuntimeError(
-            f"{server.mode}: {result.get('completed')} of {args.num_prompts} requests completed"
+            f"{server.name}: {result.get('completed')} of {args.num_prompts} requests completed"
         )
     return {
         "mean_ttft_ms": result["mean_ttft_ms"],
@@ -245,8 +191,8 @@ def main() -> int:
             menv = dict(env)
             if mode == "peer":
                 menv.update(peer_env)
-            servers[mode] = Server(mode, model, args.input_len + 64, menv, tmp)
-            servers[mode].wait_ready()
+            servers[mode] = serve(mode, model, args.input_len + 64, menv, tmp)
+            servers[mode].wait_healthy(time.monotonic() + 600)
             servers[mode].pause()
         client = bench_client()
         for rep in range(args.reps):
@@ -254,12 +200,12 @@ def main() -> int:
             for mode in order:
                 s = servers[mode]
                 s.resume()
-                before = len(s.request_lines())
+                before = len(s.request_counts())
                 for run in (1, 2):
                     out = tmp / f"{mode}-rep{rep}-run{run}.json"
                     r = bench_once(client, s, model, args, seed=1000 + rep, out=out)
                     time.sleep(1.0)  # the server's last request lines
-                    lines = s.request_lines()[before:]
+                    lines = s.request_counts()[before:]
                     before += len(lines)
                     r.update(
                         mode=mode,

@@ -43,22 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import parse  # noqa: E402
+from _common import log, parse  # noqa: E402
 from _engines import run_meta  # noqa: E402
 
 SMOKE = ["--blocks", "16", "--block-kib", "64"]
 """``--smoke``: 1 MiB per path instead of 256 MiB, the same paths, reps and JSON keys."""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def timed(fn: Callable[[], object]) -> float:

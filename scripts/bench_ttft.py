@@ -46,12 +46,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _cli import parse  # noqa: E402
+from _common import log, parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     Engine,
@@ -78,10 +75,6 @@ LABELS = {
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
 """``--smoke``: every configuration, one short input with and without hits, 3 reps."""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:

@@ -36,7 +36,7 @@ os.environ.setdefault(
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import parse, write_json  # noqa: E402
+from _common import parse, write_json  # noqa: E402
 from _engines import run_meta  # noqa: E402
 
 SMOKE = ["--requests", "2", "--groups", "1", "--prefix-tokens", "256", "--suffix-tokens", "16"]

@@ -35,7 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from _cli import parse  # noqa: E402
+from _common import parse  # noqa: E402
 
 SMOKE = ["--reps", "2", "--layers", "4", "--step-blocks", "8"]
 """``--smoke``: every layout's round trips as in the full run, a small bandwidth step."""

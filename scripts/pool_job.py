@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import parse, write_json  # noqa: E402
+from _common import parse, write_json  # noqa: E402
 
 SMOKE = ["--requests", "2", "--blocks", "4", "--block-kib", "16"]
 

@@ -50,25 +50,21 @@ import os
 import random
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _engines import kvray_transfer_config, run_meta, wait_http_ready  # noqa: E402
+from _common import log as common_log  # noqa: E402
+from _engines import kvray_transfer_config, run_meta  # noqa: E402
 from _soak_faults import FAULTS, HOLDS, FaultNotShown, Faults  # noqa: E402
 
-from kvray.connector.log_lines import key_space, request_lines  # noqa: E402
+from kvray.testing.server import Server, vllm_serve_cmd  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size for the tiny model
 NAMESPACE = "soak"
@@ -80,77 +76,21 @@ Row = dict[str, Any]
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    common_log(msg, stamp=True)
 
 
-class Server:
-    """One vLLM OpenAI server in its own process group, with its log."""
+def serve(name: str, model: str, extra: list[str], env: dict[str, str], tmp: Path) -> Server:
+    """vLLM's OpenAI server (sha256 block hashes, as the soak's oracle computes them)."""
+    from kvray.servers.process import free_port
 
-    def __init__(
-        self, name: str, model: str, extra: list[str], env: dict[str, str], tmp: Path
-    ) -> None:
-        from kvray.servers.process import free_port
+    port = free_port()
+    cmd = vllm_serve_cmd(model, port, "--prefix-caching-hash-algo", "sha256", *extra)
+    return Server(name, cmd, env, tmp / f"{name}.log", port=port)
 
-        self.name, self.port = name, free_port()
-        self.log_path = tmp / f"{name}.log"
-        self._log: IO[str] = self.log_path.open("w")
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
-            "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "sha256", *extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
 
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        wait_http_ready(self.proc, self.port, self.name, self.tail, timeout_s)
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def request_lines(self) -> dict[str, dict[str, int]]:
-        text = self.log_path.read_text(errors="replace")
-        return {line.request_id: line.counts for line in request_lines(text)}
-
-    def key_space(self, timeout_s: float = 60) -> KeySpace:
-        """The connector's keys as its scheduler logs them once the workers sent their
-        block geometries (part of every key: derived from the engine's KV caches, so
-        read from the connector, not rebuilt here)."""
-        deadline = time.monotonic() + timeout_s
-        while (space := key_space(self.log_path.read_text(errors="replace"))) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server {self.name} logged no key space in {timeout_s:g} s")
-            time.sleep(0.5)
-        return space
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            return str(r.read().decode())
-
-    def stop(self) -> None:
-        """SIGTERM to the API server alone (it stops its engine processes and removes
-        their ``psm_*`` queues; SIGTERM to the whole group once left three behind), then
-        SIGKILL to whatever of the group is left after they had time to exit."""
-        import psutil
-
-        group = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                if os.getpgid(p.pid) == self.proc.pid:
-                    group.append(p)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                log(f"server {self.name} ignored SIGTERM for 90 s: SIGKILL")
-        psutil.wait_procs(group, timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
-        self.proc.wait()
-        self._log.close()
+def server_metrics(server: Server) -> str:
+    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
+        return str(r.read().decode())
 
 
 def completion(
@@ -343,12 +283,12 @@ def oracle_tokens(
         saved = json.loads(cache.read_text())
         if saved.get("key") == key:
             return saved["tokens"], f"read from {cache}"
-    base = Server("baseline", model, [], env, tmp)
+    base = serve("baseline", model, [], env, tmp)
     try:
-        base.wait_ready()
+        base.wait_healthy(time.monotonic() + 600)
         tokens = [completion(base.port, model, p, max_tokens, 300)[0] for p in prompts]
     finally:
-        base.stop()
+        base.stop(grace_s=90)
     if cache is None:
         return tokens, "computed"
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -436,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     transfer = json.dumps({**kvray_transfer_config(extra), "kv_load_failure_policy": "recompute"})
     connector = [] if args.no_connector else ["--kv-transfer-config", transfer]
     connector += args.vllm_args.split()
-    server = Server("kvray", model, connector, kv_env, tmp)
+    server = serve("kvray", model, connector, kv_env, tmp)
     results: list[Row] = []
     fault_log: list[Row] = []
     corrupt_at: list[int] = []
@@ -447,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     t0 = time.monotonic()
     try:
-        server.wait_ready()
+        server.wait_healthy(time.monotonic() + 600)
         space = None if args.no_connector else server.key_space()
         faults = Faults(
             pool,
@@ -518,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             t.join(timeout=args.max_request_s + 10)
             if t.is_alive():
                 failures.append("a client thread still waits past --max-request-s")
-        lines = server.request_lines()
-        metrics = server.metrics()
+        lines = {line.request_id: line.counts for line in server.request_lines()}
+        metrics = server_metrics(server)
         pool_stats = pool.stats()
     finally:
         stop.set()
@@ -527,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             faults.undo_shm_full()
             with contextlib.suppress(Exception):  # a failed fill's undo is already a failure
                 faults.undo_pool_full()
-        server.stop()
+        server.stop(grace_s=90)
         pool.shutdown()
         # Unreachable cycles first: a put that failed while a client restarted leaves a
         # traceback whose frames hold a view of the Pool's transfer window (and so its

@@ -35,12 +35,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _cli import parse  # noqa: E402
+from _common import log, parse  # noqa: E402
 from _engines import (  # noqa: E402
     Engine,
     engine_env,
@@ -53,10 +50,6 @@ BLOCK = 128
 PARTS = ("to_lookup", "lookup", "to_step", "load", "forward", "after_step", "to_caller")
 SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
 """``--smoke``: both engines, one short input with a one-block hit, 3 reps."""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:

@@ -57,10 +57,11 @@ class RequestLine:
 
 def request_lines(log: str) -> list[RequestLine]:
     """Every per-request line in ``log``, in order."""
-    return [
-        RequestLine(rid, *(int(x) for x in counts), engine_pid=pid or None)
-        for pid, rid, *counts in _REQUEST.findall(log)
-    ]
+    out = []
+    for pid, rid, *counts in _REQUEST.findall(log):
+        total, local, pool, loaded, failed, saved = (int(x) for x in counts)
+        out.append(RequestLine(rid, total, local, pool, loaded, failed, saved, pid or None))
+    return out
 
 
 def request_counts(log: str) -> list[dict[str, int]]:

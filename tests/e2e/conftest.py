@@ -24,6 +24,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'k
 
 HERE = Path(__file__).parent
 BLOCK = 128  # vLLM's CPU default block size
+STARTUP_S = 420
+"""How long a vLLM server of these tests may take to become healthy (2 busy cores)."""
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvray.connector.log_lines import request_lines
+from kvray.testing.server import Server
 
-from .conftest import prompts
-from .test_pd_proxy import STARTUP_S, Server
+from .conftest import STARTUP_S, prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +113,7 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
            "--data-parallel-size", "2", "--kv-transfer-config", transfer]  # fmt: skip
-    server = Server("dp", cmd, env, tmp_path / "dp.log")
+    server = Server("dp", cmd, env, tmp_path / "dp.log", port=port)
 
     def lines(n: int) -> dict[str, list[dict[str, int]]]:
         """Each engine core's request lines, once ``n`` were logged in all."""
@@ -126,7 +126,7 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
             time.sleep(0.2)
 
     try:
-        server.wait_healthy(f"http://127.0.0.1:{port}/health", time.monotonic() + STARTUP_S)
+        server.wait_healthy(time.monotonic() + STARTUP_S)
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": tiny_model, "max_tokens": 4, "temperature": 0.0,
                 "return_token_ids": True}  # fmt: skip

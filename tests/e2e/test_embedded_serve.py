@@ -10,7 +10,6 @@ import contextlib
 import glob
 import json
 import os
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvray.testing.server import Server, vllm_serve_cmd
+
 from .conftest import prompts
-from .test_pd_proxy import Server
 
 pytestmark = pytest.mark.e2e
 
@@ -33,9 +33,7 @@ FAIL_S = 150
 plus startup; vLLM's own startup to the connector takes ~20-40 s on 2 cores."""
 
 
-def _serve(
-    name: str, model: str, env: dict[str, str], tmp: Path, extra: dict
-) -> tuple[Server, int]:
+def _serve(name: str, model: str, env: dict[str, str], tmp: Path, extra: dict) -> Server:
     from kvray.servers.process import free_port
 
     port = free_port()
@@ -45,31 +43,20 @@ def _serve(
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"load_async": False, "lookup_timeout_ms": 5000, **extra},
     }
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "2048", "--no-enable-prefix-caching", "--seed", "0",
-           "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
-    return Server(name, cmd, env, tmp / f"{name}.log"), port
+    cmd = vllm_serve_cmd(model, port, "--kv-transfer-config", json.dumps(transfer))
+    return Server(name, cmd, env, tmp / f"{name}.log", port=port)
 
 
-def _complete(port: int, model: str, prompt: list[int]) -> list[int]:
+def _complete(url: str, model: str, prompt: list[int]) -> list[int]:
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
             "return_token_ids": True}  # fmt: skip
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
+        f"{url}/v1/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return list(json.loads(r.read())["choices"][0]["token_ids"])
-
-
-def _lines(server: Server, n: int) -> list[dict[str, int]]:
-    deadline = time.monotonic() + 20
-    while len(server.lines()) < n:
-        assert time.monotonic() < deadline, server.tail()
-        time.sleep(0.2)
-    return server.lines()
 
 
 def _base_env(tmp: Path) -> dict[str, str]:
@@ -95,38 +82,40 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
     extra = {"pool_config": str(pool_config)}
     files = Files(tmp_path / "run" / "kvray.kvray")
     psm_before = set(glob.glob("/dev/shm/psm_*"))
-    a, port_a = _serve("embedded-a", tiny_model, env, tmp_path, extra)
+    a = _serve("embedded-a", tiny_model, env, tmp_path, extra)
     b = None
     keeper = None
     try:
-        a.wait_healthy(f"http://127.0.0.1:{port_a}/health", time.monotonic() + SERVER_S)
+        a.wait_healthy(time.monotonic() + SERVER_S)
         assert "started the embedded kvray pool 'kvray'" in a.tail(10**8), a.tail()
         state = read_state(files)
         assert state is not None, a.tail()
         keeper = psutil.Process(state["pid"])
         p = prompts(7, 3 * 128 + 5)
-        first = _complete(port_a, tiny_model, p)
-        assert [(x["saved"], x["hit_pool"]) for x in _lines(a, 1)] == [(3, 0)], a.tail()
+        first = _complete(a.url(), tiny_model, p)
+        assert [(x["saved"], x["hit_pool"]) for x in a.wait_request_counts(1)] == [(3, 0)], a.tail()
 
         # a paused while b starts: in CI (twice) b's worker, importing torch next to a's
         # idle engine, made no progress for minutes (its stacks: in dlopen of torch._C).
         # Nothing of a takes part in b joining the pool (the keeper's).
         a.pause()
-        b, port_b = _serve("embedded-b", tiny_model, env, tmp_path, extra)
+        b = _serve("embedded-b", tiny_model, env, tmp_path, extra)
         try:
-            b.wait_healthy(f"http://127.0.0.1:{port_b}/health", time.monotonic() + SERVER_S)
+            b.wait_healthy(time.monotonic() + SERVER_S)
         finally:
             a.resume()
         assert f"joined (keeper pid {keeper.pid}) the embedded kvray pool" in b.tail(10**8)
-        again = _complete(port_b, tiny_model, p)  # b computes nothing of it: the pool has it
+        again = _complete(b.url(), tiny_model, p)  # b computes nothing of it: the pool has it
         assert again == first
-        assert [(x["hit_pool"], x["loaded"], x["failed"]) for x in _lines(b, 1)] == [(3, 3, 0)]
+        assert [(x["hit_pool"], x["loaded"], x["failed"]) for x in b.wait_request_counts(1)] == [
+            (3, 3, 0)
+        ]
 
         a.stop()
         a = None
         time.sleep(3)  # > linger: the pool stays for b
         assert keeper.is_running(), files.log.read_text()[-3000:]
-        assert _complete(port_b, tiny_model, p) == first
+        assert _complete(b.url(), tiny_model, p) == first
         b.stop()
         b = None
         deadline = time.monotonic() + 90
@@ -171,7 +160,7 @@ def test_vllm_serve_without_its_pool_fails_fast_naming_the_fix(
     else:
         env["RAY_ADDRESS"] = ray_cluster
         expect = ["no kvray pool 'absent'", "kvray up"]
-    server, _ = _serve("nopool", tiny_model, env, tmp_path, {"pool_name": "absent"})
+    server = _serve("nopool", tiny_model, env, tmp_path, {"pool_name": "absent"})
     try:
         t0 = time.monotonic()
         while server.proc.poll() is None and time.monotonic() - t0 < FAIL_S:

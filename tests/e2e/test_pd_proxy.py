@@ -10,13 +10,10 @@ single-engine run without any connector (the ``baseline`` fixture)."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,16 +22,16 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 
-from kvray.connector.log_lines import request_counts
 from kvray.misses import LOOKUP_REASONS, REASONS
+from kvray.testing.server import Server
 
 from .conftest import (
     P1,
     P2,
     P3,
+    STARTUP_S,
     assert_no_region_left,
     logged_key_space,
     start_pool,
@@ -43,15 +40,6 @@ from .conftest import (
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).parents[2]
-STARTUP_S = 420
-
-
-def _get(url: str, timeout: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
 
 
 def _json_post(url: str, body: dict) -> urllib.request.Request:
@@ -76,94 +64,6 @@ def post_stream(url: str, body: dict, timeout: float = 120.0) -> list[dict]:
             elif line.startswith("data: "):
                 events.append(json.loads(line[len("data: ") :]))
     return events
-
-
-class Server:
-    """One process group we started (a launch script and what it runs), with its log."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self.name, self.log = name, log
-        self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
-        # A fatal signal makes each Python process print every thread's stack into the log
-        # (see dump_stacks): a server that hangs at startup shows where.
-        env = {**env, "PYTHONFAULTHANDLER": "1"}
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, url: str, deadline: float) -> None:
-        started = time.monotonic()
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if _get(url) == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1)
-        self.dump_stacks()
-        waited = time.monotonic() - started
-        pytest.fail(f"{self.name} not healthy after {waited:.0f} s:\n{self.tail(30000)}")
-
-    def dump_stacks(self) -> None:
-        """SIGABRT to every process of the server: with PYTHONFAULTHANDLER each writes its
-        threads' Python stacks to the log as it dies (only for a server that is failing)."""
-        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
-        for p in group:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGABRT)
-        psutil.wait_procs(group, timeout=5)
-
-    def tail(self, n: int = 6000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def lines(self) -> list[dict[str, int]]:
-        return request_counts(self.log.read_text(errors="replace"))
-
-    def pause(self) -> None:
-        """SIGSTOP to the whole server (its idle engine's polling threads stop taking the
-        2 cores' time from a server starting next to it)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        """SIGTERM to the server (the scripts exec it), which stops its engine processes;
-        they get time to exit by themselves (a SIGKILLed engine core leaves vLLM's psm_*
-        shared memory behind), then whatever is left of the session gets SIGKILL."""
-        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
-        self.resume()  # a paused server cannot act on SIGTERM
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(60)
-        psutil.wait_procs(group, timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self._out.close()
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def wait_lines(server: Server, n: int, timeout_s: float = 20.0) -> list[dict[str, int]]:
-    """The server's per-request connector lines, once there are ``n`` (logged as each
-    request finishes, which can trail its answer a little)."""
-    deadline = time.monotonic() + timeout_s
-    while len(lines := server.lines()) < n:
-        if time.monotonic() > deadline:
-            pytest.fail(f"{server.name}: {len(lines)} request lines, wanted {n}:\n{server.tail()}")
-        time.sleep(0.2)
-    return lines
 
 
 def config_copy(name: str, tmp: Path) -> Path:
@@ -216,20 +116,22 @@ def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-de
                      *vllm_args],
                     {**env, "KV_CONFIG": str(cfg)},
                     tmp / f"{role}.log",
+                    port=ports[role],
                 )
             )  # fmt: skip
         deadline = time.monotonic() + STARTUP_S
         for s in servers:
-            s.wait_healthy(f"http://127.0.0.1:{ports[s.name]}/health", deadline)
+            s.wait_healthy(deadline)
         proxy = Server(
             "proxy",
             [str(ROOT / "scripts" / "pd_proxy.sh"), str(ports["proxy"]), "--health-interval", "1"],
             {**env, "PREFILL": f"127.0.0.1:{ports['prefill']}",
              "DECODE": f"127.0.0.1:{ports['decode']}"},
             tmp / "proxy.log",
+            port=ports["proxy"],
         )  # fmt: skip
         servers.append(proxy)
-        proxy.wait_healthy(f"http://127.0.0.1:{ports['proxy']}/health", time.monotonic() + 60)
+        proxy.wait_healthy(time.monotonic() + 60)
         yield SimpleNamespace(
             url={k: f"http://127.0.0.1:{p}" for k, p in ports.items()},
             prefill=servers[0],
@@ -253,11 +155,11 @@ def completion(pd, prompt: list[int], **extra) -> dict:  # type: ignore[no-untyp
 
 
 def test_request_through_proxy_is_prefilled_stored_and_loaded_by_decode(pd, baseline):
-    n_pre, n_dec = len(pd.prefill.lines()), len(pd.decode.lines())
+    n_pre, n_dec = len(pd.prefill.request_counts()), len(pd.decode.request_counts())
     out = post(f"{pd.url['proxy']}/v1/completions", completion(pd, P1))
     assert out["choices"][0]["token_ids"] == baseline["P1"]
-    (pre,) = wait_lines(pd.prefill, n_pre + 1)[n_pre:]
-    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    (pre,) = pd.prefill.wait_request_counts(n_pre + 1)[n_pre:]
+    (dec,) = pd.decode.wait_request_counts(n_dec + 1)[n_dec:]
     # P1: 4 full blocks + a partial one. The prefill stores the 4; the decode loads all 4
     # from the pool (KVRayConnector is MultiConnector's first child) and stores nothing.
     assert (pre["hit_pool"], pre["saved"]) == (0, 4), pre
@@ -267,31 +169,31 @@ def test_request_through_proxy_is_prefilled_stored_and_loaded_by_decode(pd, base
     # The same prompt again: now the prefill itself is served by the pool.
     out = post(f"{pd.url['proxy']}/v1/completions", completion(pd, P1))
     assert out["choices"][0]["token_ids"] == baseline["P1"]
-    (pre,) = wait_lines(pd.prefill, n_pre + 2)[n_pre + 1 :]
+    (pre,) = pd.prefill.wait_request_counts(n_pre + 2)[n_pre + 1 :]
     assert (pre["hit_pool"], pre["loaded"], pre["saved"]) == (4, 4, 0), pre
 
 
 def test_streaming_through_proxy(pd, baseline):
-    n_dec = len(pd.decode.lines())
+    n_dec = len(pd.decode.request_counts())
     events = post_stream(f"{pd.url['proxy']}/v1/completions", completion(pd, P2, stream=True))
     assert events[-1] == {"done": True}
     tokens = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
     assert tokens == baseline["P2"]
-    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    (dec,) = pd.decode.wait_request_counts(n_dec + 1)[n_dec:]
     # P2 shares P1's first 2 blocks; its prefill stored the third: all 3 come from the pool.
     assert (dec["hit_pool"], dec["loaded"]) == (3, 3), dec
 
 
 def test_chat_completion_through_proxy(pd):
-    n_pre, n_dec = len(pd.prefill.lines()), len(pd.decode.lines())
+    n_pre, n_dec = len(pd.prefill.request_counts()), len(pd.decode.request_counts())
     words = " ".join(f"w{i % 97} item{i}" for i in range(300))  # several blocks of tokens
     body = {"model": pd.model, "messages": [{"role": "user", "content": words}],
             "max_completion_tokens": 6, "temperature": 0.0}  # fmt: skip
     out = post(f"{pd.url['proxy']}/v1/chat/completions", body)
     assert out["object"] == "chat.completion"
     assert out["usage"]["completion_tokens"] == 6
-    (pre,) = wait_lines(pd.prefill, n_pre + 1)[n_pre:]
-    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    (pre,) = pd.prefill.wait_request_counts(n_pre + 1)[n_pre:]
+    (dec,) = pd.decode.wait_request_counts(n_dec + 1)[n_dec:]
     assert pre["saved"] >= 2 and dec["hit_pool"] == dec["loaded"] == pre["saved"], (pre, dec)
     direct = post(f"{pd.url['decode']}/v1/chat/completions", body)
     assert direct["choices"][0]["message"] == out["choices"][0]["message"]
@@ -304,7 +206,7 @@ def test_decode_waits_for_the_prefill_blocks_it_was_told_about(pd, baseline):
     assert logged.namespace.startswith(f"{Path(pd.model).name}-m")  # the model digest
     space = [logged.namespace, "float32-b128-h4x64", 1, 1]
     told = {"kvray": {"pool": "kvray", "space": space, "blocks": 3}}
-    n_dec = len(pd.decode.lines())
+    n_dec = len(pd.decode.request_counts())
     answer: dict = {}
 
     def decode() -> None:
@@ -327,7 +229,7 @@ def test_decode_waits_for_the_prefill_blocks_it_was_told_about(pd, baseline):
     assert re.fullmatch(r"[0-9a-f]{16}", params["hash"]), params
     t.join(60)
     assert answer["choices"][0]["token_ids"] == baseline["P3"]
-    (dec,) = wait_lines(pd.decode, n_dec + 1)[n_dec:]
+    (dec,) = pd.decode.wait_request_counts(n_dec + 1)[n_dec:]
     assert (dec["hit_pool"], dec["loaded"]) == (3, 3), dec
 
 

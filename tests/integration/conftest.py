@@ -105,6 +105,19 @@ def small_config(master_address: str | None, **overrides):
     return PoolConfig.from_dict(data, environ={})
 
 
+def ssd_pool_config(tmp_path, name: str, **over):  # type: ignore[no-untyped-def]
+    """A 1-rank pool of a 16 MB Mooncake DRAM tier over a 256 MB SSD tier in ``tmp_path``."""
+    return small_config(
+        None,
+        name=name,
+        world_size=1,
+        pipeline="mooncake|ssd",
+        ssd={"path": str(tmp_path), "quota": "256MB", "io_threads": 2},
+        mooncake={"global_segment_size": "16MB"},
+        **over,
+    )
+
+
 @pytest.fixture(scope="module", params=["mooncake", "yuanrong"])
 def pool(request, ray_cluster):
     """A 2-rank pool shared by a module's tests, once per backend: against the session's

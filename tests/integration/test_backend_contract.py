@@ -11,68 +11,17 @@ import itertools
 import numpy as np
 import pytest
 
-from kvray.backends.base import Backend, KeyStatus
+from kvray.backends.base import KeyStatus
 from kvray.config import MooncakeConfig, YuanrongConfig
 from kvray.errors import BackendUnavailableError
 from kvray.servers.process import free_port
+
+from .backends import BACKENDS
 
 pytestmark = pytest.mark.integration
 _ids = itertools.count()
 BLOCK = 64 << 10
 
-
-def _mooncake(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.mooncake import MooncakeBackend
-
-    master = request.getfixturevalue("mooncake_master")
-    cfg = MooncakeConfig(global_segment_size=64 << 20, local_buffer_size=16 << 20, protocol="tcp")
-    return MooncakeBackend(cfg, master.address, io_threads=2)
-
-
-def _yuanrong(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.yuanrong import YuanrongBackend
-
-    worker = request.getfixturevalue("ds_worker")
-    cfg = YuanrongConfig(worker_address=worker.address, request_timeout_ms=3000)
-    return YuanrongBackend(cfg, worker.address, io_threads=2)
-
-
-def _memcache_fake(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.memcache import MemcacheBackend
-    from kvray.config import MemcacheConfig
-    from tests.fakes.memcache import FakeMemcacheCluster
-
-    cfg = MemcacheConfig(meta_service_url="tcp://127.0.0.1:1", config_store_url="tcp://127.0.0.1:2")
-    return MemcacheBackend(cfg, store_factory=FakeMemcacheCluster().store_factory())
-
-
-def _ssd(request) -> Backend:  # type: ignore[no-untyped-def]
-    from kvray.backends.ssd import SsdBackend
-    from kvray.config import SsdConfig
-
-    path = request.getfixturevalue("tmp_path")
-    return SsdBackend(SsdConfig(path=str(path), quota="64MB", io_threads=2), rank=0)
-
-
-def _checksummed(factory):  # type: ignore[no-untyped-def]
-    def make(request) -> Backend:  # type: ignore[no-untyped-def]
-        from kvray.backends.checksum import ChecksummedBackend
-
-        return ChecksummedBackend(factory(request))
-
-    return make
-
-
-BACKENDS = {
-    "mooncake": _mooncake,
-    "mooncake+checksum": _checksummed(_mooncake),
-    "yuanrong": _yuanrong,
-    "yuanrong+checksum": _checksummed(_yuanrong),
-    "memcache-fake": _memcache_fake,
-    "memcache-fake+checksum": _checksummed(_memcache_fake),
-    "ssd": _ssd,
-}
-"""Each factory gets the test's ``request`` and pulls the server fixture it needs."""
 
 UNREACHABLE = {
     "mooncake": lambda address: _import("mooncake").MooncakeBackend(

@@ -13,7 +13,7 @@ from kvray.backends import base, checksum
 from kvray.backends.base import KeyStatus
 from kvray.backends.checksum import TRAILER, ChecksummedBackend
 
-from .test_backend_contract import BACKENDS
+from .backends import BACKENDS
 
 pytestmark = pytest.mark.integration
 BLOCK = 512 << 10

@@ -18,8 +18,7 @@ from kvray.backends.checksum import TRAILER
 from kvray.backends.registry import spec_of
 from kvray.errors import TransferError
 
-from .conftest import small_config
-from .test_ssd_pipeline import ssd_pool_config
+from .conftest import small_config, ssd_pool_config
 
 pytestmark = pytest.mark.integration
 BLOCK = 256 << 10

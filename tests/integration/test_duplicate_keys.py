@@ -17,7 +17,7 @@ from kvray.rank_store import RankStore
 from kvray.shm import SharedRegion
 from kvray.transfer import TransferBatch
 
-from .test_backend_contract import BACKENDS
+from .backends import BACKENDS
 
 pytestmark = pytest.mark.integration
 BLOCK = 64 << 10

@@ -11,22 +11,10 @@ from kvray import Pool
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
 from kvray.naming import ssd_name
 
-from .conftest import small_config
+from .conftest import ssd_pool_config
 
 pytestmark = pytest.mark.integration
 MB = 1 << 20
-
-
-def ssd_pool_config(tmp_path, name: str, **over):
-    return small_config(
-        None,
-        name=name,
-        world_size=1,
-        pipeline="mooncake|ssd",
-        ssd={"path": str(tmp_path), "quota": "256MB", "io_threads": 2},
-        mooncake={"global_segment_size": "16MB"},
-        **over,
-    )
 
 
 def test_dram_miss_is_served_from_ssd_and_survives_a_pool_restart(ray_cluster, tmp_path):

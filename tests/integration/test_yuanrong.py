@@ -27,29 +27,12 @@ from kvray.naming import manager_name, region_prefix
 from kvray.servers.datasystem import DatasystemWorker
 from kvray.shm import mapped_regions
 
+from .backends import addr, blocks
+from .backends import yuanrong_client as client
 from .conftest import pool_actor_names, small_config, stop_and_check
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-
-def client(address: str, **cfg):
-    from kvray.backends.yuanrong import YuanrongBackend
-
-    cfg = {"worker_address": address, "request_timeout_ms": 2000, **cfg}
-    return YuanrongBackend(YuanrongConfig(**cfg), address, io_threads=2)
-
-
-def blocks(n: int, size: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
-
-
-def addr(a: np.ndarray, pieces: int = 1) -> tuple[list[list[int]], list[list[int]]]:
-    step = a.shape[1] // pieces
-    return (
-        [[row.ctypes.data + p * step for p in range(pieces)] for row in a],
-        [[step] * pieces for _ in a],
-    )
 
 
 async def test_large_multi_piece_batches_are_byte_exact(ds_worker):
@@ -334,7 +317,7 @@ def test_production_style_cluster_script(tmp_path):
         assert up.stdout.count("export DS_WORKER_ADDR=") == 2
         probe = (
             "import asyncio, sys, numpy as np\n"
-            "from tests.integration.test_yuanrong import client, addr, blocks\n"
+            "from tests.integration.backends import yuanrong_client as client, addr, blocks\n"
             "async def main():\n"
             "    a, b = client(sys.argv[1]), client(sys.argv[2])\n"
             "    src, dst = blocks(2, 1 << 20, 7), np.zeros((2, 1 << 20), np.uint8)\n"

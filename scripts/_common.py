@@ -1,4 +1,5 @@
-"""The scripts' common command line: ``--smoke`` and ``--json``.
+"""What every script shares: Ray on loopback (set on import, before Ray starts), ``log``
+for progress on stderr, and the common command line: ``--smoke`` and ``--json``.
 
 ``--smoke`` is the script's full run with small arguments (``SMOKE``, a list of ordinary
 arguments each script declares next to its defaults): the same code path, the same JSON
@@ -11,10 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# One node on loopback: without it Ray binds the machine's external address; and no
+# token auth for a cluster the script starts itself (docs/security.md).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def log(msg: str, *, stamp: bool = False) -> None:
+    """Progress on stderr (stdout is the script's table), with the time if ``stamp``."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}" if stamp else msg, file=sys.stderr, flush=True)
 
 
 def parse(

@@ -25,7 +25,7 @@ lint: setup
 	$(VENV)/mypy
 
 test: lint
-	$(VENV)/pytest -q
+	$(VENV)/pytest -q --durations=30  # the 30 slowest: where the suite's time goes (docs/tests.md)
 
 unit: setup
 	$(VENV)/pytest -q tests/unit

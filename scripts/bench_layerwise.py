@@ -152,7 +152,7 @@ def main() -> int:
 def check_loads(engine: Engine, measured: int) -> dict[str, int]:
     """Every probe request of a connector engine loaded its prefix from the pool, and
     no load failed; the comparison is void otherwise."""
-    lines = engine.request_lines()
+    lines = engine.request_counts()
     if engine.name == "local":
         return {"requests": measured}
     loaded = [ln for ln in lines if ln["loaded"] > 0]

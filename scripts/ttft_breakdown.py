@@ -103,7 +103,7 @@ def main() -> int:
         "local": {**base, "prefix_caching": True},
         "kvray": {
             **base,
-            "timeline": True,
+            "timelines": True,
             "kv_transfer_config": kvray_transfer_config(
                 {
                     "pool_name": "bench",

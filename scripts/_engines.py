@@ -188,8 +188,8 @@ def git_commit(cwd: Path) -> str:
                 "--porcelain",
                 "--untracked-files=no",
                 "--",
-                ".",
-                ":!bench-results",
+                ":/",  # the whole tree, whatever the working directory
+                ":!/bench-results",
             ],  # fmt: skip
             capture_output=True,
             text=True,

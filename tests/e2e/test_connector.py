@@ -160,6 +160,7 @@ def test_sigkilled_engine_leaves_no_region(
         engine_spec(spec(tiny_model, placement)),
         engine_env(ray_cluster, tmp_path),
         tmp_path,
+        fork=True,
     )
     try:
         killed.wait_ready()
@@ -195,9 +196,10 @@ def test_hash_seed_mismatch_is_named_and_never_hits(
 ):
     """Real engines with different PYTHONHASHSEEDs (vLLM's NONE_HASH seed) derive other
     block hashes for the same tokens: the second one gets no hit (never wrong bytes), and
-    says why at attach (and so does ``kvray status``); the same seed hits. Fresh processes:
-    the hash seed is the process's."""
-    spec = {"model": tiny_model, "runs": [[P1]],
+    says why at attach (and so does ``kvray status``); the same seed hits. Fresh
+    interpreters (not forked from the engines' fork server): the hash seed is the
+    process's."""
+    spec = {"model": tiny_model, "runs": [[P1]], "fork": False,
             "connector": _connector(model_namespace="tiny-seeds", load_async=False)}  # fmt: skip
     a = run_engine(ray_cluster, tmp_path, "seed-1", {
         **spec, "env": {"PYTHONHASHSEED": "1"}, "wait_saves_for": "e2e"})  # fmt: skip

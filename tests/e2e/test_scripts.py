@@ -49,7 +49,8 @@ def test_engine_benchmark_smoke(tmp_path, prefill_model, script, result, table):
 
 @pytest.mark.timeout(600)
 def test_bench_serve_smoke(tmp_path):
-    """Every mode's OpenAI server, ``vllm bench serve`` twice each on 2 prompts."""
+    """The peer's and kvray's OpenAI servers, ``vllm bench serve`` twice each on 2
+    prompts."""
     out = tmp_path / "bench_serve.json"
     res = run_script(
         "bench_serve.py", "--model-dir", str(tmp_path / "model"), "--json", str(out),

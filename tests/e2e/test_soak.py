@@ -3,7 +3,8 @@
 on and once off. Every completed request's greedy tokens equal the run without kvray,
 none fails or waits past the bound, nothing is left behind, and every fault kind was
 *injected*: each one shows its effect (a PID that changed and a restart Ray counted,
-removed blocks that no longer exist or were stored again since, files that changed, bytes a fill wrote).
+removed blocks that no longer exist or were stored again since, files that changed,
+bytes a fill wrote).
 docs/reliability.md has the long run's counts."""
 
 from __future__ import annotations

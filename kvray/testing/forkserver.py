@@ -43,11 +43,12 @@ from typing import IO, Any
 
 LAZY_ENV = frozenset({
     "RAY_ADDRESS", "VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "PYTEST_CURRENT_TEST",
+    "VLLM_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST",
 })  # fmt: skip
 """Variables that may differ between a server and its children: each is read when an
-engine starts (Ray's address at ``ray.init``, vLLM's by ``vllm.envs`` on access), or by
-nothing in an engine (pytest's name of the running test)."""
+engine starts (Ray's address at ``ray.init``; vLLM's by ``vllm.envs`` on access, the
+thread binding when the CPU worker or the multiprocessing executor starts), or by nothing
+in an engine (pytest's name of the running test)."""
 
 PRELOAD = (
     "torch",

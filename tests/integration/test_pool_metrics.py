@@ -65,16 +65,20 @@ def test_pool_counters_reach_rays_metrics_endpoint(pool, ray_cluster):
         ("ray_kvray_segment_bytes", ()): 2 * (64 << 20),  # two clients' segments
         ("ray_kvray_pool_capacity_bytes", ()): 2 * (64 << 20),  # as the master sees it
     }
+    # The master's gauges (used bytes, keys) come from its own metrics, polled apart from
+    # the counters: each is waited for, not read once after the counters arrived.
     deadline = time.monotonic() + 90  # Ray reports every 10 s, kvray exports every 5 s
     while True:
         seen = {key: scrape(port, key[0], pool=name, **dict(key[1])) for key in want}
-        if seen == want or time.monotonic() > deadline:
+        used = scrape(port, "ray_kvray_pool_used_bytes", pool=name)
+        keys = scrape(port, "ray_kvray_pool_keys", pool=name)
+        master = used is not None and used >= 4 * (256 << 10) and keys == 4
+        if (seen == want and master) or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert seen == want
-    used = scrape(port, "ray_kvray_pool_used_bytes", pool=name)
-    assert used is not None and used >= 4 * (256 << 10)
-    assert scrape(port, "ray_kvray_pool_keys", pool=name) == 4
+    assert used is not None and used >= 4 * (256 << 10), used
+    assert keys == 4, keys
 
     # kvray status shows the master's view and the misses by reason
     table = pool.stats().table()

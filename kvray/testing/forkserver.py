@@ -28,6 +28,7 @@ import json
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,7 +136,10 @@ class ForkServer:
         self.env = dict(env)
         self._children: list[ForkedProcess] = []
         self._dir = Path(tempfile.mkdtemp(prefix="kvray-fork-", dir=log_dir))
-        self.socket_path = str(self._dir / "sock")
+        # The socket in a directory of the system's temp dir: a Unix socket's path is at
+        # most 107 bytes, a test's directory can be longer.
+        self._socket_dir = tempfile.mkdtemp(prefix="kvray-fork-")
+        self.socket_path = os.path.join(self._socket_dir, "sock")
         self.log_path = self._dir / "server.log"
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
@@ -203,6 +207,7 @@ class ForkServer:
             self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 _servers: OrderedDict[tuple[Any, ...], ForkServer] = OrderedDict()

@@ -242,12 +242,12 @@ def server_for(
 
 
 @atexit.register
-def close_all() -> None:
-    """Close every fork server this process started (their remaining children die)."""
+def close_all(preload: Sequence[str] | None = None) -> None:
+    """Close every fork server this process started, or those that preloaded
+    ``preload`` (their remaining children die)."""
     with _servers_lock:
-        while _servers:
-            _, server = _servers.popitem()
-            server.close()
+        for key in [k for k in _servers if preload is None or k[0] == tuple(preload)]:
+            _servers.pop(key).close()
 
 
 def spawn(

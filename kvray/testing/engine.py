@@ -104,23 +104,7 @@ class LiveEngine:
         path.write_text(json.dumps(spec))
         self.log_path = tmp / f"{name}.log"
         self._log: IO[str] = self.log_path.open("w")
-        self.forked = fork and spec.get("fork", True)
-        self.proc: subprocess.Popen[str] | ForkedProcess
-        if self.forked:
-            self.proc = forkserver.spawn(
-                f"{ENGINE_MODULE}:main", [ENGINE_MODULE, str(path)],
-                _child_env(env, spec), tmp, stderr=self._log,
-            )  # fmt: skip
-        else:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", ENGINE_MODULE, str(path)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self._log,
-                env=env,
-                text=True,
-                bufsize=1,
-            )
+        self.proc = _start([str(path)], env, spec, tmp, fork, stderr=self._log)
         self._lines: queue.Queue[str] = queue.Queue()
         self._ended = threading.Event()
         self.paused = False
@@ -201,6 +185,34 @@ def _child_env(env: dict[str, str], spec: dict[str, Any]) -> dict[str, str]:
     return {**env, **{k: str(v) for k, v in spec.get("env", {}).items()}}
 
 
+def _start(
+    argv: list[str],
+    env: dict[str, str],
+    spec: dict[str, Any],
+    tmp: Path,
+    fork: bool,
+    stderr: IO[str],
+    stdout: IO[str] | None = None,
+) -> subprocess.Popen[str] | ForkedProcess:
+    """``python -m kvray.testing.engine ARGV``: forked from the fork server where ``fork``
+    asks for it and the spec does not say ``"fork": false``, else a fresh interpreter; a
+    pipe to its stdin and, unless ``stdout`` is given, from its stdout."""
+    if fork and spec.get("fork", True):
+        return forkserver.spawn(
+            f"{ENGINE_MODULE}:main", [ENGINE_MODULE, *argv], _child_env(env, spec), tmp,
+            stderr=stderr, stdout=stdout,
+        )  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", ENGINE_MODULE, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE if stdout is None else stdout,
+        stderr=stderr,
+        env=env,
+        text=True,
+        bufsize=1,
+    )
+
+
 def run_once(
     spec: dict[str, Any],
     env: dict[str, str],
@@ -213,29 +225,19 @@ def run_once(
     a fork server as :class:`LiveEngine` says). ``(result or None if it failed, what it
     printed)``; a process past ``timeout_s`` is killed."""
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps({**spec, "runs": spec.get("runs", [])}))
+    spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
-    argv = [ENGINE_MODULE, str(spec_path), str(out_path)]
-    if fork and spec.get("fork", True):
-        log_path = tmp / f"{name}.log"
-        with log_path.open("w") as log:
-            proc = forkserver.spawn(
-                f"{ENGINE_MODULE}:main", argv, _child_env(env, spec), tmp, stderr=log, stdout=log
-            )
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait(30)
-        printed = log_path.read_text(errors="replace")
-    else:
-        done = subprocess.run(
-            [sys.executable, "-m", *argv], env=env, capture_output=True, text=True,
-            timeout=timeout_s,
-        )  # fmt: skip
-        rc, printed = done.returncode, done.stdout + done.stderr
+    log_path = tmp / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = _start([str(spec_path), str(out_path)], env, spec, tmp, fork, log, stdout=log)
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait(30)
+    printed = log_path.read_text(errors="replace")
     if rc != 0 or not out_path.exists():
         return None, printed
     result: dict[str, Any] = json.loads(out_path.read_text())

@@ -24,8 +24,11 @@ lint: setup
 	$(VENV)/ruff format --check .
 	$(VENV)/mypy
 
+# Three xdist workers (a module per unit of work; docs/tests.md, "Parallel"); the 30
+# slowest tests are printed: where the suite's time goes.
+TEST_WORKERS ?= 3
 test: lint
-	$(VENV)/pytest -q --durations=30  # the 30 slowest: where the suite's time goes (docs/tests.md)
+	$(VENV)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 unit: setup
 	$(VENV)/pytest -q tests/unit

@@ -14,6 +14,8 @@ engines do:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -39,9 +41,20 @@ STARTUP_S = 420
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
+    """The tiny Llama, built once per run (the xdist workers share it: a lock in the run's
+    temp root, the first worker builds it)."""
     from kvray.tiny_model import build_tiny_llama
 
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+    root = Path(str(tmp_path_factory.getbasetemp())).parent
+    with open(root / "tiny-llama.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-llama.done"
+        if not done.exists():
+            build_tiny_llama(root / "tiny-llama")
+            done.touch()
+    return str(root / "tiny-llama")
 
 
 def start_pool(  # type: ignore[no-untyped-def]
@@ -107,6 +120,17 @@ def assert_no_region_left(whose: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def psm_left_behind(before: set[str]) -> set[str]:
+    """vLLM's ``/dev/shm/psm_*`` queues made since ``before`` that no live process maps:
+    left behind by servers that are gone. (Those of servers still running, another
+    xdist worker's included, are mapped by them.)"""
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError), open(maps) as f:
+            mapped |= {ln.split()[-1] for ln in f if "/dev/shm/psm_" in ln}
+    return set(glob.glob("/dev/shm/psm_*")) - before - mapped
+
+
 def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
     env = {**os.environ, "RAY_ADDRESS": cluster}
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
@@ -130,8 +154,9 @@ def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
     return result
 
 
-MAX_ALIVE = 3
-"""Live engines at once (24 GiB: each is ~1.5 GiB of process and 1 GiB of KV cache)."""
+MAX_ALIVE = max(1, 3 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+"""Live engines at once on this machine (24 GiB: each is ~1.5 GiB of process and 1 GiB of
+KV cache): 3, shared by the xdist workers of a parallel run."""
 
 
 class Engines:

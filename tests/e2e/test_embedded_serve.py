@@ -19,7 +19,7 @@ import pytest
 
 from kvray.testing.server import Server, vllm_serve_cmd
 
-from .conftest import prompts
+from .conftest import prompts, psm_left_behind
 
 pytestmark = pytest.mark.e2e
 
@@ -132,19 +132,9 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
             keeper.wait(60)
         # A server stopped by force (this test timed out: its finally stops them) cannot
         # unlink vLLM's psm_* queues: those no live process maps any more are removed.
-        mapped = _mapped_psm()
-        for path in set(glob.glob("/dev/shm/psm_*")) - psm_before - mapped:
+        for path in psm_left_behind(psm_before):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-
-
-def _mapped_psm() -> set[str]:
-    """The /dev/shm/psm_* files some live process maps."""
-    out: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError), open(maps) as f:
-            out |= {ln.split()[-1] for ln in f if "/dev/shm/psm_" in ln}
-    return out
 
 
 @pytest.mark.parametrize("case", ["dead cluster", "no pool"])

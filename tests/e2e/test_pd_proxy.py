@@ -34,6 +34,7 @@ from .conftest import (
     STARTUP_S,
     assert_no_region_left,
     logged_key_space,
+    psm_left_behind,
     start_pool,
 )
 
@@ -145,7 +146,7 @@ def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-de
             s.stop()
         pool.shutdown()
     assert_no_region_left("stopped servers")
-    psm_left = set(glob.glob("/dev/shm/psm_*")) - psm_before
+    psm_left = psm_left_behind(psm_before)
     assert not psm_left, f"stopped servers left vLLM shared memory behind: {sorted(psm_left)}"
 
 

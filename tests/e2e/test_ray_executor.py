@@ -16,7 +16,7 @@ import pytest
 from kvray.connector.log_lines import request_counts
 from kvray.testing.vllm_ray_cpu import ENV
 
-from .conftest import BLOCK, prompts, run_engine
+from .conftest import BLOCK, prompts, psm_left_behind, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,7 @@ def test_ray_executor_loads_from_pool(pool, ray_cluster, tiny_model, tmp_path):
         # 240 MiB psm_* segment per worker stays in /dev/shm. Not kvray's (run_engine
         # already checked that no kvray region is left); removed so that the test
         # leaves nothing behind.
-        for path in set(glob.glob("/dev/shm/psm_*")) - before:
+        for path in psm_left_behind(before):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     first, second = (r["outputs"][0] for r in out["runs"])

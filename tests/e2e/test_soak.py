@@ -29,6 +29,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.exclusive  # its shm_full fault fills /dev/shm to a few GiB short of RAM
 @pytest.mark.parametrize("checksum", ["on", "off"])
 def test_soak_under_faults(tmp_path: Path, oracle: Path, checksum: str) -> None:
     out, requests = tmp_path / "soak.json", tmp_path / "requests.json"

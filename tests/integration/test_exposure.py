@@ -27,10 +27,12 @@ MOONCAKE_CLIENTS = ("ray::BackendClientActor", "ray::LookupActor")
 
 
 def _listening() -> dict[tuple[str, int], int | None]:
+    me = psutil.Process()
+    ours = {me.pid, *(p.pid for p in me.children(recursive=True))}  # not another xdist worker's
     return {
         (c.laddr.ip, c.laddr.port): c.pid
         for c in psutil.net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
+        if c.status == psutil.CONN_LISTEN and c.pid in ours
     }
 
 

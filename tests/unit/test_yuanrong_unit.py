@@ -137,8 +137,15 @@ def test_worker_command_is_loopback_lean_and_self_contained(tmp_path):
     assert flags["metastore_address"] == "127.0.0.1:31511"
     assert flags["start_metastore_service"] == "true"
     assert flags["shared_memory_size_mb"] == "512" and flags["log_monitor"] == "false"
-    for key in ("rocksdb_store_dir", "log_dir", "ready_check_path", "unix_domain_socket_dir"):
+    for key in ("rocksdb_store_dir", "log_dir", "ready_check_path"):
         assert flags[key].startswith(str(tmp_path)), key
+    # sockets under the data dir too, unless its path is too long for a socket's (then a
+    # directory of its own in /tmp; an xdist worker's tmp_path can be)
+    uds = flags["unix_domain_socket_dir"]
+    if len(str(w.home / "uds")) <= UDS_DIR_MAX:
+        assert uds == str(w.home / "uds")
+    else:
+        assert uds.startswith("/tmp/kvray-uds-") and uds == str(w.uds_dir)
     joiner = DatasystemWorker(
         DatasystemWorkerConfig(data_dir=str(tmp_path)), metastore_address="127.0.0.1:31511"
     )

@@ -28,7 +28,7 @@ lint: setup
 # slowest tests are printed: where the suite's time goes.
 TEST_WORKERS ?= 3
 test: lint
-	$(VENV)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
+	$(VENV)/pytest -q -n $(TEST_WORKERS) --durations=30
 
 unit: setup
 	$(VENV)/pytest -q tests/unit

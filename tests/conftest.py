@@ -38,29 +38,39 @@ def ray_cluster():
     ray.shutdown()
 
 
-# Parallel runs (`make test` runs pytest-xdist's `-n 3 --dist loadgroup`): the suite's
-# processes mostly wait (servers starting, engines loading, timeouts), using ~30-50 % of
-# the two cores when run one test at a time.
-GROUP_FIRST = ("tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
+# Parallel runs (`make test` runs pytest-xdist's `-n 3`): the suite's processes mostly
+# wait (servers starting, engines loading, timeouts), using ~30-50 % of the two cores when
+# run one test at a time.
+FIRST = ("tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
 """Under xdist, modules are handed out in this order of their directories (the long ones
 first, so that no worker starts a long module last)."""
 
 
+def _unit_of_work(nodeid: str) -> str:
+    """Under xdist, every module is one unit of work (its module fixtures are made once, on
+    one worker), and so is the multi-node harness (one two-node cluster for its tests)."""
+    path = nodeid.split("::")[0]
+    return "tests/multinode/" if path.startswith("tests/multinode/") else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of_work(nodeid)
+
+    return ByModule(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, every module is one unit of work (its module fixtures are made once, on
-    one worker), and so is the multi-node harness (one two-node cluster)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "multinode" if path.startswith("tests/multinode/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
 
-    def rank(item: pytest.Item) -> int:
-        return next((i for i, d in enumerate(GROUP_FIRST) if item.nodeid.startswith(d)), 99)
+        def rank(item: pytest.Item) -> int:
+            return next((i for i, d in enumerate(FIRST) if item.nodeid.startswith(d)), len(FIRST))
 
-    items.sort(key=rank)  # stable: each module's tests keep their order
+        items.sort(key=rank)  # stable: each module's tests keep their order
 
 
 @pytest.hookimpl(wrapper=True)

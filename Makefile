@@ -24,9 +24,9 @@ lint: setup
 	$(VENV)/ruff format --check .
 	$(VENV)/mypy
 
-# Three xdist workers (a module per unit of work; docs/tests.md, "Parallel"); the 30
+# Two xdist workers (a module per unit of work; docs/tests.md, "Parallel"); the 30
 # slowest tests are printed: where the suite's time goes.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: lint
 	$(VENV)/pytest -q -n $(TEST_WORKERS) --durations=30
 

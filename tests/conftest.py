@@ -38,7 +38,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-# Parallel runs (`make test` runs pytest-xdist's `-n 3`): the suite's processes mostly
+# Parallel runs (`make test` runs pytest-xdist's `-n 2`): the suite's processes mostly
 # wait (servers starting, engines loading, timeouts), using ~30-50 % of the two cores when
 # run one test at a time.
 FIRST = ("tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
@@ -60,6 +60,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of_work(nodeid)
 
+    config.option.loadscopereorder = False  # in FIRST's order, not by test count
     return ByModule(config, log)
 
 

@@ -124,11 +124,12 @@ def psm_left_behind(before: set[str]) -> set[str]:
     """vLLM's ``/dev/shm/psm_*`` queues made since ``before`` that no live process maps:
     left behind by servers that are gone. (Those of servers still running, another
     xdist worker's included, are mapped by them.)"""
+    new = set(glob.glob("/dev/shm/psm_*")) - before  # first: one made later is not ours
     mapped: set[str] = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
         with contextlib.suppress(OSError), open(maps) as f:
             mapped |= {ln.split()[-1] for ln in f if "/dev/shm/psm_" in ln}
-    return set(glob.glob("/dev/shm/psm_*")) - before - mapped
+    return new - mapped
 
 
 def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
@@ -160,14 +161,23 @@ KV cache): 3, shared by the xdist workers of a parallel run."""
 
 
 class Engines:
-    """Live engines shared by the session's tests, one per SPEC: the least recently used
-    is closed when a fourth is needed; the ones not in use are paused (SIGSTOP), so that
-    their idle threads take no CPU from the engine a test drives or starts."""
+    """Live engines shared by the session's tests, one per SPEC: beyond MAX_ALIVE, the
+    least recently used is closed, but never one the running test got (a test may drive
+    two at once: its engine and the reference); the ones not in use are paused (SIGSTOP),
+    so that their idle threads take no CPU from the engine a test drives or starts."""
 
     def __init__(self, cluster: str, tmp: Path) -> None:
         self.cluster, self.tmp = cluster, tmp
         self._alive: OrderedDict[str, LiveEngine] = OrderedDict()
         self._made = 0
+        self._test = ""
+        self._held: set[str] = set()
+        """The keys of the engines the running test (``_test``) got."""
+
+    def holding(self, test: str) -> None:
+        """From now on the engines it gets are ``test``'s."""
+        if test != self._test:
+            self._test, self._held = test, set()
 
     def get(self, spec: dict) -> LiveEngine:
         full = engine_spec(spec)
@@ -177,9 +187,10 @@ class Engines:
                 other.pause()
         eng = self._alive.get(key)
         if eng is None:
-            while len(self._alive) >= MAX_ALIVE:
-                _, oldest = self._alive.popitem(last=False)
-                oldest.close()
+            for old in [k for k in self._alive if k not in self._held]:
+                if len(self._alive) < MAX_ALIVE:
+                    break
+                self._alive.pop(old).close()
             self._made += 1
             eng = LiveEngine(
                 f"engine-{self._made}",
@@ -191,6 +202,7 @@ class Engines:
             eng.wait_ready()
             self._alive[key] = eng
         self._alive.move_to_end(key)
+        self._held.add(key)
         eng.resume()
         return eng
 
@@ -212,6 +224,13 @@ def engines(ray_cluster, tmp_path_factory):  # type: ignore[no-untyped-def]
     e.close()
     forkserver.close_all()
     assert_no_region_left("the shared engines")
+
+
+@pytest.fixture(autouse=True)
+def _engines_of_this_test(request):  # type: ignore[no-untyped-def]
+    """Tells the shared engines which test runs (those it gets stay alive until it ends)."""
+    if "engines" in request.fixturenames:
+        request.getfixturevalue("engines").holding(request.node.nodeid)
 
 
 def own_prompts(request, n_tokens: int, *, salt: str = "", shared: list[int] | None = None):  # type: ignore[no-untyped-def]

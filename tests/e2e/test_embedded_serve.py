@@ -137,6 +137,7 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
                 os.unlink(path)
 
 
+@pytest.mark.timeout(FAIL_S + 150)  # the wait below, then the server's stop
 @pytest.mark.parametrize("case", ["dead cluster", "no pool"])
 def test_vllm_serve_without_its_pool_fails_fast_naming_the_fix(
     case, ray_cluster, tiny_model, tmp_path

@@ -38,7 +38,7 @@ from .conftest import (
     start_pool,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # the module's setup starts 2 servers
 
 ROOT = Path(__file__).parents[2]
 

@@ -40,7 +40,10 @@ def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path):
     prompt = np.random.default_rng(11).integers(3, 1000, 4 * BLOCK + 30).tolist()
     two_nodes.json("A", "start", "mne")
     try:
-        conn = {"extra": {"pool_name": "mne", "namespace": "kvray", "load_async": False}}
+        # lookup_timeout_ms: a 200 ms lookup can miss on 2 cores shared with other tests
+        extra = {"pool_name": "mne", "namespace": "kvray", "load_async": False,
+                 "lookup_timeout_ms": 5000}  # fmt: skip
+        conn = {"extra": extra}
         spec = {"model": model, "connector": conn, "runs": [[prompt]]}
         a = _engine(two_nodes, "A", tmp_path, "on-a", {**spec, "wait_saves_for": "mne"})
         b = _engine(two_nodes, "B", tmp_path, "on-b", spec)

@@ -51,7 +51,10 @@ def _transfer(pool: str) -> str:
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"pool_name": pool, "load_async": False},
+        # lookup_timeout_ms: a 200 ms lookup can miss on 2 cores shared with other tests
+        "kv_connector_extra_config": {
+            "pool_name": pool, "load_async": False, "lookup_timeout_ms": 5000,
+        },  # fmt: skip
     })  # fmt: skip
 
 

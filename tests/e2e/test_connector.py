@@ -110,7 +110,7 @@ def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, r
 
 
 def test_async_engine_loads_what_another_engine_stored(
-    engines, reference, tiny_model, request, placement
+    pool, engines, reference, tiny_model, request, placement
 ):
     """Another engine process, with async loads, hits what the first one saved."""
     p1, _, _ = prompt_set(request)
@@ -130,7 +130,9 @@ def stored_then_dropped(engines, tiny_model, placement, prompt, **load):  # type
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_failed_load_recomputes(engines, reference, tiny_model, request, load_async, placement):
+def test_failed_load_recomputes(
+    pool, engines, reference, tiny_model, request, load_async, placement
+):
     _, _, p3 = prompt_set(request)
     out = stored_then_dropped(engines, tiny_model, placement, p3, load_async=load_async)
     assert out["outputs"] == reference([p3])
@@ -140,7 +142,7 @@ def test_failed_load_recomputes(engines, reference, tiny_model, request, load_as
     assert (line["hit_pool"], line["failed"], line["loaded"], line["saved"]) == (3, 3, 0, 3)
 
 
-def test_failed_load_fails_request_under_fail_policy(engines, tiny_model, request, placement):
+def test_failed_load_fails_request_under_fail_policy(pool, engines, tiny_model, request, placement):
     _, _, p3 = prompt_set(request)
     out = stored_then_dropped(engines, tiny_model, placement, p3, policy="fail")
     assert out["finish_reasons"] == ["error"]
@@ -180,7 +182,7 @@ def test_sigkilled_engine_leaves_no_region(
     pool_hit(line, 3)
 
 
-def test_staged_loads_what_shared_stored(engines, reference, tiny_model, request):
+def test_staged_loads_what_shared_stored(pool, engines, reference, tiny_model, request):
     """One key layout for both placements: the bytes a staged engine gathers are the
     blocks a shared engine stored, so it loads them and generates the same tokens."""
     p1, _, _ = prompt_set(request)
@@ -351,7 +353,7 @@ def test_layerwise_save_then_load(pool, engines, reference, tiny_model, request,
 
 
 def test_layerwise_without_layer_hooks_recomputes(
-    engines, reference, tiny_model, request, placement
+    pool, engines, reference, tiny_model, request, placement
 ):
     """An engine that never calls wait_for_layer_load: the loaded bytes arrive after the
     forward read the cache, so the step's hits are reported failed and recomputed (same

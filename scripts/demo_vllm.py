@@ -32,8 +32,11 @@ os.environ.setdefault(
 # workers, then SIGKILLs them ("force killing remaining process"), which can leave its
 # shared-memory queues to the resource tracker. Measured on a 2-core machine, vLLM alone
 # (no connector): the worker takes ~4 s to exit (the interpreter's final garbage
-# collection of torch's and vLLM's objects) and the engine core is force-killed.
-os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+# collection of torch's and vLLM's objects) and the engine core is force-killed. On a
+# loaded machine that exit is several times slower (9 s beside three busy processes; over
+# 30 s in CI beside a second test worker), so the engine gets 120 s: an idle machine still
+# exits in ~4 s, and only a hung worker waits the whole time.
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse, write_json  # noqa: E402

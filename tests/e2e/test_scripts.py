@@ -95,4 +95,7 @@ def test_demo_vllm_smoke_ends_quietly(tmp_path, prefill_model):
     assert first["blocks_stored"] > 0 and second["blocks_stored"] == 0
     assert second["pool_hit_rate"] == 1.0 and second["blocks_loaded"] > 0
     found = [what for text, what in NOISE.items() if text in res.stdout + res.stderr]
-    assert not found, f"the demo's run printed {found}:\n{res.stderr[-6000:]}"
+    shutdown = "\n".join(line for line in res.stdout.splitlines() if "[shutdown]" in line)
+    assert not found, (
+        f"the demo's run printed {found}:\n{res.stderr[-6000:]}\n--- vLLM's shutdown\n{shutdown}"
+    )

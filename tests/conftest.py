@@ -41,10 +41,9 @@ def ray_cluster():
 # Parallel runs (`make test` runs pytest-xdist's `-n 2`): the suite's processes mostly
 # wait (servers starting, engines loading, timeouts), using ~30-50 % of the two cores when
 # run one test at a time.
-BUSY = ("tests/e2e/", "tests/multinode/")
-"""Units of work that keep the cores busy (vLLM engines and servers)."""
-LONGEST = ("tests/multinode/", "tests/e2e/test_scripts.py", "tests/e2e/test_soak.py")
-"""The longest units, handed out first (none may start last)."""
+FIRST = ("tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
+"""Under xdist, modules are handed out in this order of their directories (the long ones
+first, so that no worker starts a long module last)."""
 
 
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -59,16 +58,6 @@ def _unit_of_work(nodeid: str) -> str:
     return "tests/multinode/" if path.startswith("tests/multinode/") else path
 
 
-def _busy_lane(worker: int) -> bool:
-    """Lanes: the even workers take the :data:`BUSY` units first, the odd ones the others
-    (integration modules, which mostly wait, then the unit tests) first; a worker whose
-    lane is empty takes from the other. So one worker's engines have the cores while the
-    other waits on servers, instead of both starting engines at once and both waiting at
-    the end of the run; and the e2e package's shared engines are not closed and made again
-    each time a worker goes from an integration module back to e2e."""
-    return worker % 2 == 0
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
@@ -76,32 +65,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of_work(nodeid)
 
-        def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
-            # LoadScopeScheduling's, with the unit taken from the worker's lane
-            busy = _busy_lane(int(node.gateway.id.removeprefix("gw")))
-            scope = next(
-                (s for s in self.workqueue if s.startswith(BUSY) == busy),
-                next(iter(self.workqueue)),
-            )
-            work_unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some(
-                [collection.index(nid) for nid, done in work_unit.items() if not done]
-            )
-
-    config.option.loadscopereorder = False  # in the collection's order (below)
+    config.option.loadscopereorder = False  # in FIRST's order, not by test count
     return ByModule(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Within each lane: the longest units first, then e2e, multinode, integration, unit.
-        order = (*LONGEST, "tests/e2e/", "tests/multinode/", "tests/integration/", "tests/unit/")
 
         def rank(item: pytest.Item) -> int:
-            return next((i for i, d in enumerate(order) if item.nodeid.startswith(d)), len(order))
+            return next((i for i, d in enumerate(FIRST) if item.nodeid.startswith(d)), len(FIRST))
 
         items.sort(key=rank)  # stable: each module's tests keep their order
 

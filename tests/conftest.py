@@ -1,7 +1,10 @@
 """Shared test setup: stay on loopback, never touch a cluster or token we did not make."""
 
+import atexit
 import fcntl
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +17,12 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Mooncake clients in this process (baselines) fail fast on a dead master.
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+# vLLM's ZMQ sockets (``ipc://<VLLM_RPC_BASE_PATH>/<uuid>``, ~7 per server, default the
+# system's temp dir) outlive the processes that bound them: they go in a directory of
+# this process's, removed when it exits (also when it fails in this file, below).
+RPC_DIR = tempfile.mkdtemp(prefix="kvray-vllm-rpc-")
+os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
+atexit.register(shutil.rmtree, RPC_DIR, ignore_errors=True)
 
 if os.environ.get("KVRAY_REQUIRE_VLLM") == "1":
     # CI (.ci/run) sets this: a missing or broken vLLM fails the run here instead of
@@ -49,6 +58,24 @@ first, so that no worker starts a long module last)."""
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The temp directory every xdist worker of this run shares (each has its own below)."""
     return Path(str(tmp_path_factory.getbasetemp())).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny Llama, built once per run (the xdist workers share it: a lock in the run's
+    temp root, the first worker builds it)."""
+    from kvray.tiny_model import build_tiny_llama
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+    root = run_dir(tmp_path_factory)
+    with open(root / "tiny-llama.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-llama.done"
+        if not done.exists():
+            build_tiny_llama(root / "tiny-llama")
+            done.touch()
+    return str(root / "tiny-llama")
 
 
 def _unit_of_work(nodeid: str) -> str:

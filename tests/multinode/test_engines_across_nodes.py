@@ -33,10 +33,8 @@ def _engine(two_nodes, node: str, tmp: Path, name: str, spec: dict) -> dict:  # 
     return out
 
 
-def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path):
-    from kvray.tiny_model import build_tiny_llama
-
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path, tiny_model):
+    model = tiny_model
     prompt = np.random.default_rng(11).integers(3, 1000, 4 * BLOCK + 30).tolist()
     two_nodes.json("A", "start", "mne")
     try:

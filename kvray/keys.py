@@ -45,7 +45,7 @@ in engine keys, a digest of the model in default namespaces; docs/migrating.md).
 ROOT_SEED = b"kvray-block-hash-v1"
 """Default seed of a hash chain's first block."""
 
-_SEP = "@"
+_SEP = KEY_SEP = "@"
 _NAMESPACE_RE = re.compile(r"^[^\s@]{1,200}$")
 _LAYOUT_RE = re.compile(r"^[a-z0-9]+-b\d+-h\d+x\d+$")
 _GEOMETRY_RE = re.compile(r"^[0-9a-f]{12}$")
@@ -240,12 +240,17 @@ class KeySpace:
         path of lookups."""
         if not 0 <= group < self.layer_groups:
             raise KeyFormatError(f"layer group {group} is outside 0..{self.layer_groups - 1}")
+        prefix = self.column_prefix(rank, group)
+        return [prefix + h.hex() for h in hashes]
+
+    def column_prefix(self, rank: int, group: int = 0) -> str:
+        """What every key string of one instance rank and layer group starts with (the
+        block hash's hex follows)."""
         pp_rank, tp_rank = divmod(rank, self.tp_size)
-        prefix = (
+        return (
             f"{self.namespace}{_SEP}{self.layout}{_SEP}{_geometry_part(self.geometry_of(rank))}"
             f"tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}{_group_part(group, self.layer_groups)}"
         )
-        return [prefix + h.hex() for h in hashes]
 
     def lookup_key_strs(self, hashes: Sequence[bytes]) -> list[str]:
         """Every key of ``hashes`` for the whole instance, column-major: column ``c``

@@ -66,8 +66,16 @@ SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "-
 flags (no connector; prefix caching off or on)."""
 
 
-def serve(mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -> Server:
-    """One OpenAI server for ``mode`` (its own process group, so it pauses as a whole)."""
+def serve(
+    mode: str,
+    model: str,
+    max_len: int,
+    env: dict[str, str],
+    tmp: Path,
+    more: dict[str, Any] | None = None,
+) -> Server:
+    """One OpenAI server for ``mode`` (its own process group, so it pauses as a whole);
+    ``more``: more of the kvray modes' connector config."""
     port = free_port()
     extra: list[str] = []
     if mode in ("kvray", "staged", "nock"):
@@ -76,6 +84,7 @@ def serve(mode: str, model: str, max_len: int, env: dict[str, str], tmp: Path) -
             "load_async": False,
             "kv_placement": "staged" if mode == "staged" else "shared",
             "model_namespace": f"bench-serve-{mode}",
+            **(more or {}),
         }
         extra = ["--kv-transfer-config", json.dumps(kvray_transfer_config(connector))]
     elif mode == "peer":
@@ -145,6 +154,13 @@ def main() -> int:
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-serve-model")
     )
     parser.add_argument("--kv-cache-gb", type=int, default=2, help="each server's KV cache")
+    parser.add_argument(
+        "--connector",
+        type=json.loads,
+        default={},
+        help="more kv_connector_extra_config for the kvray modes (JSON), e.g. "
+        "'{\"lookup_timeout_ms\": 5000}' on a machine busy with other work",
+    )
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
     args = parse(parser, SMOKE)
     modes = args.modes.split(",")
@@ -194,7 +210,7 @@ def main() -> int:
             menv = dict(env)
             if mode == "peer":
                 menv.update(peer_env)
-            servers[mode] = serve(mode, model, args.input_len + 64, menv, tmp)
+            servers[mode] = serve(mode, model, args.input_len + 64, menv, tmp, args.connector)
             servers[mode].wait_healthy(time.monotonic() + 600)
             servers[mode].pause()
         client = bench_client()

@@ -10,7 +10,9 @@ DRAM tier over an SSD tier, block checksums ``--checksum on|off``, embedded
 ``mooncake_master``) and a server with KVRayConnector (vLLM's own prefix cache off, so
 every repeat goes to the pool; ``kv_load_failure_policy: recompute``).
 ``--clients`` threads send streaming completions of random prompts (``--prefixes`` shared
-prefixes x ``--suffixes`` endings) until ``--duration`` ends; every ``--fault-every``
+prefixes x ``--suffixes`` endings) until ``--duration`` ends and every kind of fault has
+been injected once (at most ``--max-duration``: a slow machine's faults take longer to
+show, and a round of them must fit); every ``--fault-every``
 seconds (jittered) one fault, in a shuffled round robin of ``--faults``
 (scripts/_soak_faults.py): ``kill_client`` (the rank's BackendClient SIGKILLed; Ray
 restarts it), ``kill_master`` (the embedded ``mooncake_master`` SIGKILLed; the pool
@@ -190,7 +192,18 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=120.0,
+        help="seconds of load (longer until every kind of --faults was injected once, up to "
+        "--max-duration)",
+    )
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        help="the longest the load goes on for a kind not yet injected (default: 3 x --duration)",
+    )
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--prefixes", type=int, default=4)
     parser.add_argument("--suffixes", type=int, default=4)
@@ -200,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--faults",
         default=",".join(FAULTS),
         help="comma-separated kinds; each must be injected (with its effect shown) at least "
-        "once, so --duration must allow a round of them",
+        "once (the load goes on past --duration for one not yet injected)",
     )
     parser.add_argument("--hold", type=float, default=3.0, help="seconds a fill fault holds")
     parser.add_argument(
@@ -402,11 +415,12 @@ def main(argv: list[str] | None = None) -> int:
             for p in prompts:
                 completion(server.port, model, p, args.max_tokens, args.max_request_s)
         t0 = time.monotonic()
-        stop_at = t0 + args.duration
+        end_at = t0 + args.duration
+        stop_at = t0 + max(args.duration, args.max_duration or 3 * args.duration)
 
         def client(i: int) -> None:
             rng = random.Random(args.seed * 1000 + i)
-            while time.monotonic() < stop_at and not stop.is_set():
+            while not stop.is_set():
                 k = rng.randrange(len(prompts))
                 start = time.monotonic() - t0
                 row: Row
@@ -432,8 +446,11 @@ def main(argv: list[str] | None = None) -> int:
         order: list[str] = []
         next_fault = t0 + args.fault_every * rng.uniform(0.5, 1.5)
         last_report = t0
-        while time.monotonic() < stop_at and not stop.is_set():
+        while not stop.is_set():
             now = time.monotonic()
+            shown_kinds = {f["kind"] for f in fault_log if f["ok"]}
+            if now >= stop_at or (now >= end_at and shown_kinds >= set(kinds)):
+                break
             if now >= next_fault and kinds:
                 if not order:
                     order = rng.sample(kinds, len(kinds))
@@ -498,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     never = [k for k, n in by_kind.items() if not n["injected"]]
     if never and all(f["ok"] for f in fault_log):
         failures.append(
-            f"never injected: {', '.join(never)} (lengthen --duration or shorten --fault-every)"
+            f"never injected: {', '.join(never)} (lengthen --max-duration or shorten --fault-every)"
         )
     # The engine's request id is the response's id plus a suffix: a prefix lookup in the
     # sorted ids (one bisect per request, not a scan of every line).

@@ -19,13 +19,19 @@ import pytest
 from kvray.testing.multinode import unavailable_reason
 
 ROOT = Path(__file__).parents[2]
-SHM_SIZE = "4g"
+SHM_SIZE = "1g"
 PRIVATE_SHM = unavailable_reason() is None
 """The soak runs in a mount namespace of its own with a tmpfs of :data:`SHM_SIZE` on
 /dev/shm (root and ``unshare``, as in CI; the multi-node harness gives each node one the
-same way): its shm_full fault fills that, and another test worker runs beside it. Where
-that cannot be made, it fills the machine's /dev/shm to a few GiB short of RAM, so it runs
-alone (``exclusive``)."""
+same way): its shm_full fault fills that, and another test worker runs beside it. 1 GiB:
+the soak's /dev/shm users are vLLM's rings and Ray's object store (which goes to /tmp
+below 30 % of RAM); kvray's regions are memory files, not /dev/shm names. A fill of 1 GiB
+needs 1 GiB of RAM, which CI has beside the other worker (a 4 GiB one found only 6 GiB
+free once and could not be filled). Where no namespace can be made, it fills the
+machine's /dev/shm to a few GiB short of RAM, so it runs alone (``exclusive``)."""
+RAM_RESERVE = (2 if PRIVATE_SHM else 6) << 30
+"""What the fill leaves of available memory: the other worker's engines beside a private
+fill, the whole machine's use for the machine's own /dev/shm."""
 
 pytestmark = [pytest.mark.e2e, *([] if PRIVATE_SHM else [pytest.mark.exclusive])]
 KINDS = {"kill_client", "kill_master", "remove_blocks", "corrupt_ssd", "pool_full", "shm_full"}
@@ -43,7 +49,8 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_soak_under_faults(tmp_path: Path, oracle: Path, tiny_model: str, checksum: str) -> None:
     out, requests = tmp_path / "soak.json", tmp_path / "requests.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--model", tiny_model,
-           "--duration", "40", "--fault-every", "2", "--hold", "1", "--ram-reserve", str(6 << 30),
+           "--duration", "40", "--fault-every", "2", "--hold", "1",
+           "--ram-reserve", str(RAM_RESERVE),
            "--checksum", checksum, "--oracle", str(oracle),
            "--json", str(out), "--requests-json", str(requests)]  # fmt: skip
     if PRIVATE_SHM:

@@ -14,7 +14,9 @@ import ray
 
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
+from kvray.block_index import key_digests
 from kvray.config import PoolConfig
+from kvray.index_stream import IndexChange
 from kvray.keys import probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S
@@ -45,7 +47,7 @@ class BackendClientActor:
         assert (ssd is not None) == config.ssd_tier, "an SSD actor exactly with an ssd tier"
         lower = RemoteTier(ssd, config.call_timeout_s) if ssd is not None else None
         self._store = RankStore(make_backend(config, server_address), rank)
-        self._tiers = TieredStore(self._store, lower)
+        self._tiers = TieredStore(self._store, lower, index=config.lookup_index)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config
         self._background: list[asyncio.Task[None]] = []
@@ -60,6 +62,8 @@ class BackendClientActor:
                 ),
                 loop.create_task(self._report()),
             ]
+            if self._tiers.index_changed is not None:
+                self._background.append(loop.create_task(self._report_index()))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
         return self._store.stats, int(self._store.backend.info().get("segment_bytes") or 0)
@@ -72,6 +76,25 @@ class BackendClientActor:
             changes = self._tiers.take_changes()
             if changes:
                 await manager.call(partial(ManagerHandle.ledger_record, changes=changes))
+
+    async def _report_index(self) -> None:
+        """Send each tier's stores and removes to the pool's block-index stream as they
+        happen: one report in flight, what comes meanwhile goes in the next."""
+        manager = ManagerLink(
+            self._config, "BackendClient", "the nodes' block indexes miss its blocks"
+        )
+        changed = self._tiers.index_changed
+        assert changed is not None, "_report_index without an index: kvray's bug"
+        slot = self._store.rank
+        while True:
+            await changed.wait()
+            changes = [
+                IndexChange(op, key_digests(keys).astype("<u8").tobytes(),
+                            self._node_id if lower else "", slot if lower else -1)
+                for op, lower, keys in self._tiers.take_index_keys()
+            ]  # fmt: skip
+            if changes:
+                await manager.call(partial(ManagerHandle.index_record, changes=changes))
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_background()

@@ -12,8 +12,10 @@ from typing import Any
 import ray
 
 from kvray.backends import make_backend
+from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
+from kvray.index_stream import INDEX_POLL_S, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
@@ -40,6 +42,12 @@ class LookupActor:
         may run on another node than this scheduler)."""
         self._follower: asyncio.Task[None] | None = None
         self._exporter: asyncio.Task[None] | None = None
+        self._keeper: IndexKeeper | None = None
+        """The node's block index, which this actor keeps and the node's schedulers read
+        (``lookup_index``)."""
+        if config.lookup_index:
+            self._keeper = IndexKeeper(BlockIndex.create(config.lookup_index_blocks))
+        self._index_task: asyncio.Task[None] | None = None
 
     def _ensure_follower(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -49,6 +57,8 @@ class LookupActor:
             self._exporter = loop.create_task(
                 export_forever(self._config.name, "lookup", None, self._metrics)
             )
+            if self._keeper is not None:
+                self._index_task = loop.create_task(self._follow_index(self._keeper))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
         return self._service.stats, None
@@ -68,6 +78,27 @@ class LookupActor:
             seq, entries, full, mixed = update
             self._service.ledger.apply(entries, full)  # type: ignore[union-attr]
             self._service.mixed_hashing = set(mixed)
+
+    async def _follow_index(self, keeper: IndexKeeper) -> None:
+        """Keep the node's block index to the manager's stream: a long poll answered as
+        soon as a client reports a store or remove. While the manager does not answer,
+        the index ages and the schedulers stop trusting its misses (``INDEX_STALE_S``)."""
+        manager = ManagerLink(
+            self._config, "Lookup", "the node's block index goes stale (lookups ask this actor)"
+        )
+        while True:
+            update = await manager.call(
+                partial(ManagerHandle.index_since, epoch=keeper.epoch, seq=keeper.seq,
+                        wait_s=INDEX_POLL_S)
+            )  # fmt: skip
+            if update is None:
+                await asyncio.sleep(FLUSH_S)
+                continue
+            keeper.apply(update)
+
+    async def index_spec(self) -> IndexSpec | None:
+        self._ensure_follower()
+        return self._keeper.index.spec if self._keeper is not None else None
 
     async def _ssd_exists(self, place: Place, keys: list[str]) -> list[bool]:
         """The SSD tier of slot ``place.slot`` on node ``place.node_id`` (SSD blocks live
@@ -116,4 +147,8 @@ class LookupActor:
         }
 
     async def close(self) -> None:
+        if self._index_task is not None:
+            self._index_task.cancel()
+        if self._keeper is not None:
+            self._keeper.index.close()
         await self._service.backend.close()

@@ -17,6 +17,7 @@ from kvray import launcher, metrics
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError
+from kvray.index_stream import IndexChange, IndexHub, IndexUpdate
 from kvray.ledger import Entries
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.remote import Handle, LookupHandle
@@ -55,6 +56,7 @@ class PoolManagerActor:
         self._supervisor = Supervisor(self._server, config.name) if self._server else None
         self._tasks: list[asyncio.Task[None]] = []
         self._server_metrics: dict[str, float] = {}
+        self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
 
     def _ensure_reconciler(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -173,6 +175,17 @@ class PoolManagerActor:
 
     async def ledger_since(self, seq: int) -> tuple[int, Entries, bool, list[str]]:
         return self._state.ledger_since(seq)
+
+    async def index_record(self, changes: list[IndexChange]) -> None:
+        """A BackendClient's stores and removes per tier, for the nodes' block indexes."""
+        if self._index is not None:
+            self._index.record(changes)
+
+    async def index_since(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate | None:
+        """A node's index keeper, long-polling for what came after ``seq``."""
+        if self._index is None:
+            return None
+        return await self._index.wait(epoch, seq, wait_s)
 
     async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self._state.fingerprints

@@ -15,8 +15,9 @@ almost always: a sequence counter, odd while a batch is written, that readers ch
 before and after (a seqlock).
 
 Layout (one region, ``16 * slots + HEADER`` bytes): a header (magic, the sequence counter,
-sizes, the tier places), then per slot a 64-bit key digest (0: empty, 1: deleted), a
-32-bit tier mask and a 32-bit stamp (the writer's batch counter when the block was last
+sizes, the tier places, when the keeper was last current), then per slot a 64-bit key
+digest (0: empty, 1: deleted), a 32-bit tier mask (and a marker of why a key in no tier
+left: removed, or found gone) and a 32-bit stamp (the writer's batch counter when the block was last
 stored: the oldest are dropped first when the table holds ``capacity`` blocks). Open
 addressing with linear probing, at most half full.
 
@@ -49,12 +50,18 @@ EMPTY = np.uint64(0)
 DELETED = np.uint64(1)
 MAX_PROBES = 64
 """Slots a digest may sit past its home slot (at most half full: ~1.5 probes on average)."""
-MAX_PLACES = 31
+MAX_PLACES = 29
 DRAM = 1
 """The tier bit of the pool's DRAM tier."""
+REMOVED = 1 << 31
+"""Marker of a key in no tier that kvray removed (``Pool.remove``): why it misses."""
+GONE = 1 << 30
+"""Marker of a key in no tier that a load found gone (the backend evicted it)."""
+MARKERS = REMOVED | GONE
+TIERS = (1 << 30) - 1
 
 # Header fields (uint64 words).
-_MAGIC, _SEQ, _SLOTS, _CAPACITY, _COUNT, _DELETED, _PLACES, _STAMP = range(8)
+_MAGIC, _SEQ, _SLOTS, _CAPACITY, _COUNT, _DELETED, _PLACES, _STAMP, _RESETS, _FRESH = range(10)
 _PLACE_AT = 256
 _PLACE_BYTES = 96
 _PLACE_NODE = 88
@@ -167,6 +174,7 @@ class BlockIndex:
         self._stamps = buf[end + 4 * slots : end + 8 * slots].view(np.uint32)
         self._writer = writer
         self._places: dict[tuple[str, int], int] = {}
+        self._resets = int(self._head[_RESETS])
         self.torn_reads = 0
         """Reads that overlapped a write on every try (answered anyway: advisory)."""
         self.dropped = 0
@@ -218,28 +226,41 @@ class BlockIndex:
         """The tier bit of the SSD tier at ``node_id``'s slot ``slot``; 0 when it has
         none (a reader: not registered; the writer: registers it, or 0 past
         :data:`MAX_PLACES`, whose blocks then read as misses)."""
-        got = self._places.get((node_id, slot))
-        if got is not None:
-            return got
-        buf = self._region.array
+        got = self._read_places().get((node_id, slot))
         n = int(self._head[_PLACES])
-        for i in range(n):
-            at = _PLACE_AT + i * _PLACE_BYTES
-            name = bytes(buf[at : at + _PLACE_NODE]).rstrip(b"\0").decode()
-            s = int(buf[at + _PLACE_NODE : at + _PLACE_BYTES].view(np.uint64)[0])
-            self._places[(name, s)] = 1 << (i + 1)
-        got = self._places.get((node_id, slot))
         if got is not None or not self._writer or n >= MAX_PLACES:
             return got or 0
         raw = node_id.encode()
         if len(raw) > _PLACE_NODE:
             raise RegionError(f"node id {node_id!r} is longer than {_PLACE_NODE} bytes")
         at = _PLACE_AT + n * _PLACE_BYTES
+        buf = self._region.array
+        buf[at : at + _PLACE_BYTES] = 0
         buf[at : at + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         buf[at + _PLACE_NODE : at + _PLACE_BYTES].view(np.uint64)[0] = slot
         self._head[_PLACES] = n + 1
         self._places[(node_id, slot)] = 1 << (n + 1)
         return 1 << (n + 1)
+
+    def _read_places(self) -> dict[tuple[str, int], int]:
+        """The places and their bits, read from the header when it changed (a reset gives
+        other places other bits; a registration adds one)."""
+        resets, n = int(self._head[_RESETS]), int(self._head[_PLACES])
+        if resets != self._resets:
+            self._resets, self._places = resets, {}
+        if len(self._places) != n:
+            buf = self._region.array
+            self._places = {}
+            for i in range(n):
+                at = _PLACE_AT + i * _PLACE_BYTES
+                name = bytes(buf[at : at + _PLACE_NODE]).rstrip(b"\0").decode()
+                s = int(buf[at + _PLACE_NODE : at + _PLACE_BYTES].view(np.uint64)[0])
+                self._places[(name, s)] = 1 << (i + 1)
+        return self._places
+
+    def places(self) -> list[tuple[str, int]]:
+        """The registered SSD places, in bit order (the first has bit 2)."""
+        return [p for p, _ in sorted(self._read_places().items(), key=lambda kv: kv[1])]
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -295,7 +316,8 @@ class BlockIndex:
             self._head[_STAMP] += 1
             pos = self._probe(d)
             found = pos >= 0
-            self._vals[pos[found]] |= np.uint32(bits)
+            at = pos[found]
+            self._vals[at] = (self._vals[at] & np.uint32(TIERS)) | np.uint32(bits)
             self._stamps[pos[found]] = stamp
             new = d[~found]
             self._insert(new, np.full(len(new), bits, np.uint32), np.full(len(new), stamp))
@@ -325,8 +347,10 @@ class BlockIndex:
             todo = np.delete(todo, won)
         self.dropped += len(todo)
 
-    def remove(self, d: np.ndarray, bits: int = DRAM) -> None:
-        """Clear tiers ``bits`` of digests ``d``; a digest left in no tier is deleted."""
+    def remove(self, d: np.ndarray, bits: int = DRAM, marker: int = 0) -> None:
+        """Clear tiers ``bits`` of digests ``d``. A digest left in no tier is deleted, or,
+        with ``marker`` (:data:`REMOVED` or :data:`GONE`), kept with only that marker:
+        why its next lookup misses."""
         d = np.unique(d)
         if not len(d):
             return
@@ -334,8 +358,12 @@ class BlockIndex:
         try:
             pos = self._probe(d)
             pos = pos[pos >= 0]
-            self._vals[pos] &= np.uint32(~bits & 0xFFFFFFFF)
-            self._delete(pos[self._vals[pos] == 0])
+            self._vals[pos] &= np.uint32(~bits & TIERS)
+            empty = pos[(self._vals[pos] & TIERS) == 0]
+            if marker:
+                self._vals[empty] = marker
+            else:
+                self._delete(empty)
         finally:
             self._end()
 
@@ -346,6 +374,15 @@ class BlockIndex:
         self._head[_DELETED] += len(pos)
         if int(self._head[_DELETED]) + int(self._head[_COUNT]) > 3 * self.slots // 4:
             self._rebuild()
+
+    def touch(self) -> None:
+        """The keeper is current with its stream as of now (readers check :meth:`age_s`)."""
+        self._head[_FRESH] = time.monotonic_ns()
+
+    def age_s(self) -> float:
+        """Seconds since the keeper was last current (``inf``: never)."""
+        at = int(self._head[_FRESH])
+        return (time.monotonic_ns() - at) / 1e9 if at else float("inf")
 
     def _keep_capacity(self) -> None:
         """Over capacity: the blocks stored longest ago go first, a tenth of capacity at a
@@ -370,14 +407,36 @@ class BlockIndex:
         self._head[_DELETED] = 0
         self._insert(keys, vals, stamps)
 
-    def clear(self) -> None:
-        """Forget every block (the pool was cleared, or the keeper lost its stream)."""
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every digest held, and its tier mask (a copy: a snapshot for another index)."""
+        live = np.flatnonzero(self._keys > DELETED)
+        return self._keys[live].copy(), self._vals[live].copy()
+
+    def reset(
+        self,
+        places: Sequence[tuple[str, int]] = (),
+        digests: np.ndarray | None = None,
+        tiers: np.ndarray | None = None,
+    ) -> None:
+        """Replace everything: the places (in bit order) and the blocks (``digests`` with
+        their tier masks, in those places' bits), as one write readers never see half of."""
         self._begin()
         try:
             self._keys[:] = EMPTY
             self._vals[:] = 0
+            self._stamps[:] = 0
             self._head[_COUNT] = 0
             self._head[_DELETED] = 0
+            self._head[_PLACES] = 0
+            self._head[_RESETS] += 1
+            self._places = {}
+            for node_id, slot in places:
+                self.place_bit(node_id, slot)
+            if digests is not None and len(digests):
+                assert tiers is not None, "reset: digests without their tiers: kvray's bug"
+                stamp = np.full(len(digests), int(self._head[_STAMP]) & 0xFFFFFFFF, np.uint32)
+                self._insert(np.asarray(digests, np.uint64), np.asarray(tiers, np.uint32), stamp)
+                self._keep_capacity()
         finally:
             self._end()
 

@@ -30,6 +30,8 @@ from kvray.errors import BackendUnavailableError, KVRayError
 
 if TYPE_CHECKING:
     from kvray.backends.base import KeyStatus
+    from kvray.block_index import IndexSpec
+    from kvray.index_stream import IndexChange, IndexUpdate
     from kvray.keys import KeySpace
     from kvray.launcher import NodeActors
     from kvray.ledger import Entries
@@ -237,6 +239,10 @@ class LookupHandle(Handle):
     def snapshot(self) -> Call[dict[str, Any]]:
         return self._call("snapshot")
 
+    def index_spec(self) -> Call[IndexSpec | None]:
+        """The node's block index, for a scheduler to map (None: the pool keeps none)."""
+        return self._call("index_spec")
+
 
 class ManagerHandle(Handle):
     """The pool's manager actor (one per pool, named)."""
@@ -269,6 +275,14 @@ class ManagerHandle(Handle):
 
     def ledger_since(self, seq: int) -> Call[tuple[int, Entries, bool, list[str]]]:
         return self._call("ledger_since", seq)
+
+    def index_record(self, changes: list[IndexChange]) -> Call[None]:
+        return self._call("index_record", changes)
+
+    def index_since(self, epoch: str, seq: int, wait_s: float) -> Call[IndexUpdate | None]:
+        """The block-index changes after ``seq`` of ``epoch`` (or a snapshot), once there
+        are any or ``wait_s`` passed; None when the pool keeps no index."""
+        return self._call("index_since", epoch, seq, wait_s)
 
     def fingerprints(self) -> Call[dict[str, dict[str, dict[str, Any]]]]:
         return self._call("fingerprints")

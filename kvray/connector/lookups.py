@@ -1,6 +1,12 @@
 """Scheduler side: the pool lookups in flight, one per request, polled without blocking a
 step.
 
+With the pool's ``lookup_index``, a lookup first reads the node's block index
+(kvray/block_index.py), mapped into this process: a request none of whose leading blocks
+is there is a miss answered on the spot, with no call. A request with hits there is
+asked of the Lookup actor as below, which confirms the hits (and pins them until the
+load). An index whose keeper has not been current for ``INDEX_STALE_S`` is not trusted.
+
 A lookup is one call to this node's Lookup actor: how many leading blocks (from a
 request's first block not in vLLM's own prefix cache) the pool holds for every rank of
 the instance. The scheduler polls it each step; one not answered within
@@ -16,8 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvray.block_index import GONE, REMOVED, TIERS, BlockIndex, space_digests
 from kvray.errors import KVRayError
-from kvray.lookup import Answer
+from kvray.index_stream import INDEX_STALE_S
+from kvray.lookup import Answer, Place, leading_hits, ssd_places
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Waits
@@ -32,7 +42,8 @@ Warn = Callable[..., None]
 
 @dataclass
 class PendingLookup:
-    call: Call[Answer]
+    call: Call[Answer] | None
+    """None: answered from the node's block index (``answer``)."""
     started: float
     first_block: int
     """The lookup counts leading hits from this block on."""
@@ -42,6 +53,8 @@ class PendingLookup:
     """Leading blocks (from ``first_block``) a prefill reported stored; 0: none."""
     timed_out: bool = False
     """Answered by the scheduler itself: the lookup was overdue (and was cancelled)."""
+    answer: Answer | None = None
+    """The answer already known (from the node's block index)."""
 
 
 class Lookups:
@@ -55,8 +68,13 @@ class Lookups:
         timeout_s: float,
         stats: KVRayConnectorStats,
         warn: Warn,
+        node_id: str = "",
     ) -> None:
+        """``node_id``: this process's node (whose slots hold an instance's SSD blocks
+        when its workers did not say where they load through)."""
         self._handle = handle
+        self._node_id = node_id
+        self._index: BlockIndex | None = None
         self._waits = waits
         self._space = space
         self.timeout_s = timeout_s
@@ -77,6 +95,48 @@ class Lookups:
         """The first call from a new process sets up Ray's connection to the actor (often
         longer than a lookup timeout): paid here, not as a miss on the first request."""
         self._handle.lookup(self._space, [], self.timeout_s).result(60)
+        spec = self._handle.index_spec().result(60)
+        if spec is not None:
+            try:
+                self._index = BlockIndex.attach(spec)
+            except KVRayError as exc:  # another node's (a test harness), or gone already
+                self._warn("index", "the node's block index is not mappable (%s): lookups "
+                           "ask the Lookup actor", exc)  # fmt: skip
+
+    def _from_index(self, hashes: Sequence[bytes], placement: Placement | None) -> Answer | None:
+        """A miss the node's block index answers (no leading block held for every rank),
+        or None: ask the Lookup actor (hits to confirm, or no current index)."""
+        index = self._index
+        if index is None or not hashes:
+            return None
+        if index.stale():  # its keeper restarted: map the new one next time
+            self._index = None
+            self._warn("index-gone", "the node's block index went away: lookups ask the "
+                       "Lookup actor until the scheduler maps the new one")  # fmt: skip
+            return None
+        if index.age_s() > INDEX_STALE_S:
+            self._stats.add("index_stale")
+            return None
+        space = self._space
+        vals = index.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, -1)
+        masks = np.empty(space.columns, dtype=np.uint32)
+        places = ssd_places(space.world_size, placement, self._node_id)
+        for c in range(space.columns):
+            place: Place | None = places[c // space.layer_groups]
+            ssd = index.place_bit(place.node_id, place.slot) if place is not None else 0
+            masks[c] = 1 | ssd
+        held = (vals & masks[:, None]) != 0
+        if leading_hits(held.ravel().tolist(), len(hashes), space.columns):
+            return None
+        self._stats.add("index_misses")
+        first = vals[:, 0]
+        if held[:, 0].any():
+            return Answer(0, "partial_ranks")
+        if (first & np.uint32(REMOVED)).any():
+            return Answer(0, "removed")
+        if (first & np.uint32(GONE)).any() or (first & np.uint32(TIERS)).any():
+            return Answer(0, "evicted")  # gone at a load, or in another worker's SSD tier
+        return Answer(0, "not_stored")
 
     def start(
         self,
@@ -92,6 +152,12 @@ class Lookups:
         ``placement``: where each rank's worker loads through (the SSD tiers to ask)."""
         if want:
             self._stats.add("pd_waits")
+        else:
+            answer = self._from_index(hashes, placement)
+            if answer is not None:
+                done = PendingLookup(None, time.monotonic(), first_block, 0.0, answer=answer)
+                self._pending[req_id] = done
+                return done
         call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s, placement)
         pending = PendingLookup(call, time.monotonic(), first_block, self.timeout_s + wait_s, want)
         self._pending[req_id] = pending
@@ -108,6 +174,10 @@ class Lookups:
         engine is idle, so wait for it (up to its timeout) instead of spinning empty
         steps. Overdue: cancelled, answered as a ``lookup_timeout`` miss (and
         ``pending.timed_out``); failed: a ``lookup_error`` miss."""
+        if pending.answer is not None:
+            del self._pending[req_id]
+            return pending.answer
+        assert pending.call is not None, "a lookup with neither a call nor an answer"
         remaining = max(0.0, pending.timeout_s - (time.monotonic() - pending.started))
         (done,) = self._waits.ready([pending.call], remaining if wait else 0)
         if not done:

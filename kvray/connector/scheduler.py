@@ -76,6 +76,7 @@ class KVRayScheduler:
             info.config.lookup_timeout_ms / 1e3,
             self.stats,
             self._warn_once,
+            pool.node_id,
         )
         self._lookups.warm_up()
         self._placement: Placement | None = None

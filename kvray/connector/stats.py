@@ -32,6 +32,8 @@ COUNTERS = (
     "lookup_wait_steps",
     "load_wait_us",
     "pd_hash_mismatches",
+    "index_misses",
+    "index_stale",
     *(miss_counter(r) for r in REASONS),
 )
 
@@ -53,6 +55,8 @@ HELP = {
     "lookup_wait_steps": "Scheduler steps in which a request waited for its lookup",
     "load_wait_us": "Microseconds engine steps waited for pool loads (slowest rank)",
     "pd_hash_mismatches": "Decode requests whose prefill hashes blocks differently (no wait)",
+    "index_misses": "Lookups answered as misses by the node's block index, with no call",
+    "index_stale": "Lookups that found the node's block index not current (asked the actor)",
     **{miss_counter(r): f"Blocks missed: {text}" for r, text in REASONS.items()},
 }
 assert set(HELP) == set(COUNTERS)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvray.backends.base import KeyStatus
+from kvray.block_index import IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
 from kvray.lookup import Answer, Placement
@@ -186,6 +187,11 @@ class FakeLookup(LookupHandle):
         self.placements: list[Placement | None] = []
         """The placement each lookup in ``asked`` sent (which SSD tiers to ask)."""
         self.calls: list[FakeCall] = []
+        self.index: IndexSpec | None = None
+        """What ``index_spec`` answers: the node's block index (None: the pool keeps none)."""
+
+    def index_spec(self) -> FakeCall:  # type: ignore[override]
+        return FakeCall("FakeLookup.index_spec", self.index)
 
     def lookup(self, space: Any, block_hashes: Sequence[bytes], timeout_s: float,  # type: ignore[override]
                want: int = 0, wait_s: float = 0.0,

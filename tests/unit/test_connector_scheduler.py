@@ -47,21 +47,25 @@ def none_hash(monkeypatch):  # type: ignore[no-untyped-def]
 class Sched:
     """A scheduler side on a fake pool, and the vLLM calls a step makes."""
 
-    def __init__(self, tp_size: int = 1, **extra: Any) -> None:
+    def __init__(self, tp_size: int = 1, index: Any = None, **extra: Any) -> None:
+        """``index``: the node's block index the Lookup actor offers (a BlockIndex)."""
         cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
         self.info = InstanceInfo(cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both")
         self.pool = FakePool()
         self.lookup = self.pool.lookup()
+        self.lookup.index = index.spec if index is not None else None
         self.waits = FakeWaits()
         self.sched = KVRayScheduler(self.info, self.pool, self.waits)  # type: ignore[arg-type]
 
-    def request(self, rid: str, tokens: int, params: dict[str, Any] | None = None) -> Request:
-        """A request of ``tokens`` prompt tokens (``params``: its kv_transfer_params, as
-        an API request's ``kv_transfer_params`` reaches vLLM)."""
+    def request(
+        self, rid: str, tokens: int, params: dict[str, Any] | None = None, first: int = 1000
+    ) -> Request:
+        """A request of ``tokens`` prompt tokens from token id ``first`` on (``params``: its
+        kv_transfer_params, as an API request's ``kv_transfer_params`` reaches vLLM)."""
         extra = {"kv_transfer_params": params} if params is not None else None
         sampling = SamplingParams(max_tokens=4, extra_args=extra)
         hasher = get_request_block_hasher(BS, sha256)
-        req = Request(rid, list(range(1000, 1000 + tokens)), sampling, None, block_hasher=hasher)
+        req = Request(rid, list(range(first, first + tokens)), sampling, None, block_hasher=hasher)
         self.sched.on_new_request(req)
         return req
 
@@ -294,3 +298,79 @@ def test_lookups_carry_where_each_ranks_worker_loads_through(caplog):
         s.request("r2", 70)
     assert s.lookup.placements == [None, None]
     assert caplog.text.count("did not say where they run") == 1
+
+
+def matched_after_store(s: Sched, req: Request) -> Any:
+    """``get_num_new_matched_tokens`` for a lookup started anew (after the test stored the
+    request's blocks): the first call starts it and sits out a step unless it was answered
+    on the spot."""
+    s.sched._lookups.drop(req.request_id)
+    got = s.sched.get_num_new_matched_tokens(req, 0)
+    return got if got[0] is not None else s.sched.get_num_new_matched_tokens(req, 0)
+
+
+def test_the_node_index_answers_misses_with_no_call_and_sends_hits_to_the_actor():
+    """With the node's block index mapped: a request whose first block is in no tier
+    there is a miss on the spot (no lookup call, counted ``index_misses``, its reason
+    from the index); one whose leading blocks are all there goes to the Lookup actor,
+    which confirms them; an index whose keeper is not current is not trusted."""
+    from kvray.block_index import GONE, REMOVED, BlockIndex, space_digests
+
+    index = BlockIndex.create(1024)
+    index.touch()
+    s = Sched(tp_size=2, index=index)
+    space = s.info.space
+    s.lookup.answer = answered(4)
+
+    miss = s.request("miss", 70)
+    assert s.sched.get_num_new_matched_tokens(miss, 0) == (0, False)
+    assert s.lookup.asked == [] and s.stat("index_misses") == 1
+    assert s.stat("miss_not_stored") == 4
+
+    hit = s.request("hit", 70, None)
+    hit_hashes = [hash_bytes(h) for h in hit.block_hashes]
+    index.add(space_digests(space, hit_hashes).ravel())
+    assert matched_after_store(s, hit) == (64, False)
+    # (Its first lookup, as it arrived, was a miss from the index: nothing stored yet.)
+    assert len(s.lookup.asked) == 1 and s.stat("index_misses") == 2
+
+    # Reasons: only rank 0 stored the first block; kvray removed it; a load found it gone.
+    for i, (rid, store, why) in enumerate(
+        [("p", "rank0", "partial_ranks"), ("r", REMOVED, "removed"), ("g", GONE, "evicted")]
+    ):
+        req = s.request(rid, 70, first=2000 + 100 * i)
+        d = space_digests(space, [hash_bytes(h) for h in req.block_hashes])
+        if store == "rank0":
+            index.add(d[0, :1])
+        else:
+            index.add(d[:, :1].ravel())
+            index.remove(d[:, :1].ravel(), marker=int(store))
+        assert matched_after_store(s, req) == (0, False)
+        assert s.stat(f"miss_{why}") >= 1, why
+    assert len(s.lookup.asked) == 1
+
+    index._head[9] = 1  # the keeper's last current moment: long ago
+    late = s.request("late", 70)  # the blocks of "hit": a hit, asked of the actor
+    assert s.sched.get_num_new_matched_tokens(late, 0) == (64, False)
+    assert len(s.lookup.asked) == 2 and s.stat("index_stale") == 1
+    index.close()
+
+
+def test_a_request_on_an_ssd_tier_counts_only_where_its_worker_loads():
+    """SSD bits: a block on the SSD of the slot that loads the column is a hit (to the
+    actor); on another slot's SSD only, a miss from the index."""
+    from kvray.block_index import BlockIndex, space_digests
+
+    index = BlockIndex.create(1024)
+    index.touch()
+    s = Sched(index=index)
+    s.lookup.answer = answered(4)
+    req = s.request("a", 70)
+    d = space_digests(s.info.space, [hash_bytes(h) for h in req.block_hashes]).ravel()
+    index.add(d, index.place_bit("fake-node", 1))  # slot 1's disk: not where rank 0 loads
+    assert matched_after_store(s, req) == (0, False)
+    assert s.lookup.asked == [] and s.stat("miss_evicted") == 4
+    index.add(d, index.place_bit("fake-node", 0))
+    assert matched_after_store(s, req) == (64, False)
+    assert len(s.lookup.asked) == 1
+    index.close()

@@ -1,0 +1,153 @@
+"""The stream that keeps every node's block index current: each key a pool client stored
+or removed, and in which tier, pushed through the pool manager to the index keeper of
+every node (kvray/block_index.py has the index; issue 27).
+
+Sources: each BackendClient reports its stores and removes as soon as it made them (one
+report in flight at a time; what arrives meanwhile goes in the next), as digests of the
+keys with the tier that took them: the pool's DRAM tier, or the SSD tier of the client's
+node and slot. The manager's :class:`IndexHub` applies them to its own copy of the index
+and appends them to a bounded log. Each node's keeper asks for the changes after the
+last one it applied, and the hub answers as soon as there are any (a long poll), so a
+store reaches the schedulers of every node within two actor calls.
+
+A keeper whose position the log no longer reaches (it fell behind, or the hub is a new
+one after a manager restart: another ``epoch``) gets a snapshot instead: the hub's whole
+index, its places, and the position after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.block_index import DRAM, REMOVED, BlockIndex
+from kvray.block_index import GONE as GONE_MARKER
+
+ADD, REMOVE, GONE = 1, 2, 3
+"""A tier took keys; kvray removed them (``Pool.remove``); a load found them gone."""
+MARKER = {REMOVE: REMOVED, GONE: GONE_MARKER}
+
+INDEX_POLL_S = 1.0
+"""A keeper's long poll returns after this long with nothing new (and the index is then
+marked current)."""
+INDEX_STALE_S = 5.0
+"""An index whose keeper was last current longer ago is not trusted (its misses are
+asked of the Lookup actor): the manager or the keeper is gone or stuck."""
+
+DEFAULT_LOG_DIGESTS = 1 << 22
+"""Digests the hub's log keeps (32 MiB): a keeper further behind gets a snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexChange:
+    """Keys (their :func:`~kvray.block_index.key_digests`, little-endian uint64) that one
+    tier took (``ADD``) or let go (``REMOVE``): the DRAM tier (``slot`` -1), or the SSD
+    tier of ``node_id``'s ``slot``."""
+
+    op: int
+    digests: bytes
+    node_id: str = ""
+    slot: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class IndexUpdate:
+    """What a keeper applies: the changes after its position (``op``, tier bits, digests),
+    or, with ``snapshot``, everything: ``(digests, tier masks)`` in ``places``' bits."""
+
+    epoch: str
+    seq: int
+    places: list[tuple[str, int]]
+    changes: list[tuple[int, int, bytes]]
+    snapshot: tuple[bytes, bytes] | None = None
+
+
+class IndexHub:
+    """The pool manager's side: every change, applied to its own index and logged."""
+
+    def __init__(self, capacity: int, log_digests: int = DEFAULT_LOG_DIGESTS) -> None:
+        self.epoch = uuid.uuid4().hex[:12]
+        self.index = BlockIndex.create(capacity, prefix="kvray-index-hub")
+        self._log: deque[tuple[int, int, bytes]] = deque()
+        self._base = 0
+        """The position of ``_log[0]``."""
+        self._logged = 0
+        self._log_digests = log_digests
+        self._changed: asyncio.Event | None = None
+
+    @property
+    def seq(self) -> int:
+        return self._base + len(self._log)
+
+    def record(self, changes: list[IndexChange]) -> None:
+        for c in changes:
+            bits = DRAM if c.slot < 0 else self.index.place_bit(c.node_id, c.slot)
+            if not bits:  # a place past the index's limit: its blocks read as misses
+                continue
+            d = np.frombuffer(c.digests, dtype="<u8")
+            apply(self.index, c.op, bits, d)
+            self._log.append((c.op, bits, c.digests))
+            self._logged += len(d)
+        while self._logged > self._log_digests and len(self._log) > 1:
+            _, _, gone = self._log.popleft()
+            self._logged -= len(gone) // 8
+            self._base += 1
+        if self._changed is not None:
+            self._changed.set()
+
+    def since(self, epoch: str, seq: int) -> IndexUpdate:
+        places = self.index.places()
+        if epoch != self.epoch or not self._base <= seq <= self.seq:
+            digests, tiers = self.index.entries()
+            snap = (digests.astype("<u8").tobytes(), tiers.astype("<u4").tobytes())
+            return IndexUpdate(self.epoch, self.seq, places, [], snap)
+        changes = [self._log[i] for i in range(seq - self._base, len(self._log))]
+        return IndexUpdate(self.epoch, self.seq, places, changes)
+
+    async def wait(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate:
+        """:meth:`since`, once there is something after ``seq`` or ``wait_s`` passed."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        while epoch == self.epoch and seq == self.seq:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except TimeoutError:
+                break
+        return self.since(epoch, seq)
+
+
+class IndexKeeper:
+    """A node's side: the index the node's schedulers read, kept to the hub's updates."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self.epoch = ""
+        self.seq = 0
+        self.snapshots = 0
+
+    def apply(self, update: IndexUpdate) -> None:
+        if update.snapshot is not None:
+            digests = np.frombuffer(update.snapshot[0], dtype="<u8")
+            tiers = np.frombuffer(update.snapshot[1], dtype="<u4")
+            self.index.reset(update.places, digests, tiers)
+            self.snapshots += 1
+        else:
+            # New places since: registered in the hub's order, so the bits are the hub's.
+            for node_id, slot in update.places[len(self.index.places()) :]:
+                self.index.place_bit(node_id, slot)
+            for op, bits, raw in update.changes:
+                apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
+        self.epoch, self.seq = update.epoch, update.seq
+        self.index.touch()
+
+
+def apply(index: BlockIndex, op: int, bits: int, digests: np.ndarray) -> None:
+    if op == ADD:
+        index.add(digests, bits)
+    else:
+        index.remove(digests, bits, MARKER[op])

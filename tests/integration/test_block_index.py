@@ -1,0 +1,120 @@
+"""The node's block index on a real pool (``lookup_index: true``): real Ray, a real
+mooncake_master and clients. What the pool's clients store reaches the index that the
+node's Lookup actor keeps, through the manager's stream, and a process that maps it (as a
+scheduler does) reads every rank's column there; kvray's removes and a load that finds a
+block evicted leave their markers; with the SSD tier, the blocks carry the bit of the
+node slot whose disk holds them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from kvray import Pool
+from kvray.backends.base import KeyStatus
+from kvray.block_index import DRAM, GONE, REMOVED, BlockIndex, space_digests
+from kvray.keys import KeySpace, KVLayout, chain_block_hashes
+
+from .conftest import small_config, ssd_pool_config
+
+pytestmark = pytest.mark.integration
+LAYOUT = KVLayout("float16", 16, 2, 64).tag()
+
+
+def mapped(pool: Pool) -> BlockIndex:
+    """The node's index, mapped as the connector's scheduler maps it."""
+    spec = pool._h.lookup().index_spec().result(30)
+    assert spec is not None, "lookup_index: true, and the Lookup actor offers no index"
+    return BlockIndex.attach(spec)
+
+
+def until(index: BlockIndex, d: np.ndarray, want: list[int], timeout_s: float = 20) -> float:
+    """Seconds until the index shows tier masks ``want`` for ``d`` (fails at timeout)."""
+    t0 = time.monotonic()
+    while (got := index.tiers(d).tolist()) != want:
+        assert time.monotonic() - t0 < timeout_s, f"index shows {got}, not {want}"
+        time.sleep(0.002)
+    return time.monotonic() - t0
+
+
+def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncake_master):
+    cfg = small_config(mooncake_master.address, lookup_index=True)
+    space = KeySpace(cfg.name, LAYOUT, tp_size=2)
+    hashes = chain_block_hashes(list(range(16 * 6)), 16)
+    block = np.arange(4096, dtype=np.uint8)
+    with Pool.start(cfg) as pool:
+        index = mapped(pool)
+        try:
+            d = space_digests(space, hashes)  # (2 ranks, 6 blocks)
+            assert not index.tiers(d.ravel()).any()
+            pool.put(space.rank_key_strs(hashes, 0), [block] * 6, rank=0)
+            until(index, d[0], [DRAM] * 6)
+            assert not index.tiers(d[1]).any()  # rank 1 stored nothing yet
+            pool.put(space.rank_key_strs(hashes, 1), [block] * 6, rank=1)
+            until(index, d[1], [DRAM] * 6)
+
+            # kvray removes rank 0's first block: it says so.
+            assert pool.remove(space.rank_key_strs(hashes[:1], 0), force=True) == [KeyStatus.OK]
+            until(index, d[0, :1], [REMOVED])
+            # Stored again: back in its tier.
+            pool.put(space.rank_key_strs(hashes[:1], 0), [block], rank=0)
+            until(index, d[0, :1], [DRAM])
+            assert index.age_s() < 5, "the keeper is not current"
+        finally:
+            index.close()
+        pool.shutdown()
+
+
+def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
+    """The DRAM tier loses a block without kvray (another Mooncake client removes it by
+    its key): kvray's index still shows it until a load finds it gone."""
+    from kvray.backends import make_backend
+
+    cfg = small_config(mooncake_master.address, lookup_index=True, world_size=1)
+    space = KeySpace(cfg.name, LAYOUT)
+    hashes = chain_block_hashes(list(range(16 * 3)), 16)
+    keys = space.rank_key_strs(hashes, 0)
+    with Pool.start(cfg) as pool:
+        index = mapped(pool)
+        try:
+            d = space_digests(space, hashes).ravel()
+            pool.put(keys, [np.ones(4096, np.uint8)] * 3)
+            until(index, d, [DRAM] * 3)
+
+            async def evict() -> list[KeyStatus]:
+                raw = make_backend(cfg, pool.server_address, contribute_memory=False)
+                try:
+                    return await raw.remove(keys[:1], force=True)
+                finally:
+                    await raw.close()
+
+            assert asyncio.run(evict()) == [KeyStatus.OK]
+            assert index.tiers(d[:1]).tolist() == [DRAM]  # nobody told the index
+            assert pool.get(keys[0], shape=(4096,), dtype=np.uint8) is None
+            until(index, d[:1], [GONE])
+        finally:
+            index.close()
+        pool.shutdown()
+
+
+def test_ssd_blocks_carry_their_node_slots_bit(ray_cluster, tmp_path):
+    cfg = ssd_pool_config(tmp_path, "ixssd", lookup_index=True)
+    space = KeySpace("ixssd", LAYOUT)
+    hashes = chain_block_hashes(list(range(16 * 4)), 16)
+    with Pool.start(cfg) as pool:
+        index = mapped(pool)
+        try:
+            pool.put(space.rank_key_strs(hashes, 0), [np.ones(4096, np.uint8)] * 4)
+            bit = 0
+            t0 = time.monotonic()
+            while not bit:
+                bit = index.place_bit(pool._h.node_id, 0)
+                assert time.monotonic() - t0 < 20, "the SSD place never reached the index"
+                time.sleep(0.01)
+            until(index, space_digests(space, hashes).ravel(), [DRAM | bit] * 4)
+        finally:
+            index.close()
+        pool.shutdown()

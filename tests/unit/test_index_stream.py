@@ -1,0 +1,86 @@
+"""The block-index stream (kvray/index_stream.py): the manager's hub applies and logs each
+client's changes, a node's keeper follows it with long polls and gets a snapshot when the
+log no longer reaches its position; the keeper's index then answers as the hub's does,
+with the hub's tier bits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from kvray.block_index import DRAM, GONE, REMOVED, BlockIndex, key_digests
+from kvray.index_stream import ADD, REMOVE, IndexChange, IndexHub, IndexKeeper
+from kvray.index_stream import GONE as GONE_OP
+
+
+def change(op: int, keys: list[str], node: str = "", slot: int = -1) -> IndexChange:
+    return IndexChange(op, key_digests(keys).astype("<u8").tobytes(), node, slot)
+
+
+def keys(n: int, first: int = 0) -> list[str]:
+    return [f"ns@l@tp0@pp0@{i:08x}" for i in range(first, first + n)]
+
+
+def same(hub: IndexHub, keeper: IndexKeeper, probe: list[str]) -> None:
+    d = key_digests(probe)
+    assert (hub.index.tiers(d) == keeper.index.tiers(d)).all()
+    assert hub.index.places() == keeper.index.places()
+
+
+def test_a_keeper_follows_changes_and_snapshots():
+    hub = IndexHub(4096, log_digests=64)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    k = keys(40)
+    hub.record([change(ADD, k[:20]), change(ADD, k[10:30], "node-b", 2)])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))  # first: another epoch, a snapshot
+    assert keeper.snapshots == 1 and keeper.seq == hub.seq == 2
+    same(hub, keeper, k)
+    ssd = hub.index.place_bit("node-b", 2)
+    assert keeper.index.tiers(key_digests(k[15:16])).tolist() == [DRAM | ssd]
+
+    # Changes after its position: applied one by one, with the markers of why keys left.
+    hub.record([change(REMOVE, k[:5]), change(GONE_OP, k[5:10]), change(ADD, k[30:], "n", 0)])
+    update = hub.since(keeper.epoch, keeper.seq)
+    assert update.snapshot is None and len(update.changes) == 3
+    keeper.apply(update)
+    same(hub, keeper, k)
+    assert keeper.index.tiers(key_digests(k[:1])).tolist() == [REMOVED]
+    assert keeper.index.tiers(key_digests(k[5:6])).tolist() == [GONE]
+    assert keeper.index.age_s() < 5
+
+    # Behind what the log keeps (64 digests): a snapshot again, and the same answers.
+    for i in range(10):
+        hub.record([change(ADD, keys(20, 100 + 20 * i))])
+    update = hub.since(keeper.epoch, keeper.seq)
+    assert update.snapshot is not None
+    keeper.apply(update)
+    assert keeper.snapshots == 2
+    same(hub, keeper, k + keys(200, 100))
+
+    # A new hub (the manager restarted): another epoch, so everything is replaced.
+    new = IndexHub(4096)
+    new.record([change(ADD, k[:3], "other", 1)])
+    keeper.apply(new.since(keeper.epoch, keeper.seq))
+    same(new, keeper, k)
+    assert not keeper.index.tiers(key_digests(k[30:])).any()
+
+
+def test_a_long_poll_answers_when_something_is_recorded_or_at_its_limit():
+    hub = IndexHub(1024)
+
+    async def scenario() -> None:
+        first = await hub.wait("", 0, 0.01)  # another epoch: answered at once
+        assert first.epoch == hub.epoch and first.seq == 0
+        t = asyncio.get_running_loop().time()
+        idle = await hub.wait(hub.epoch, 0, 0.05)
+        assert idle.changes == [] and asyncio.get_running_loop().time() - t >= 0.04
+        waiting = asyncio.ensure_future(hub.wait(hub.epoch, 0, 10))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        hub.record([change(ADD, keys(3))])
+        got = await asyncio.wait_for(waiting, 1)
+        assert got.seq == 1 and len(got.changes) == 1
+        np.testing.assert_array_equal(np.frombuffer(got.changes[0][2], "<u8"), key_digests(keys(3)))
+
+    asyncio.run(scenario())

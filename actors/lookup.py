@@ -139,6 +139,9 @@ class LookupActor:
         self._ensure_follower()
         return await self._service.lookup(space, hashes, timeout_s, want, wait_s, placement)
 
+    async def pin(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> None:
+        await self._service.pin(space, hashes, timeout_s)
+
     async def snapshot(self) -> dict[str, Any]:
         return {
             "node_id": self._node_id,

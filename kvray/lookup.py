@@ -161,6 +161,18 @@ class LookupService:
         self.stats.lookup_ssd_blocks += from_ssd
         return self._missed(Answer(hits, why), n)
 
+    async def pin(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> None:
+        """Pin the keys of blocks about to load (a scheduler answered their lookup from
+        the node's index): the same ``exists`` a lookup makes, whose answer on Mooncake
+        grants each present key a read lease. Failures are counted, never raised: the
+        caller does not wait, and an unpinned block only risks a failed load."""
+        self.stats.pins += 1
+        try:
+            await asyncio.wait_for(self.backend.exists(space.lookup_key_strs(hashes)), timeout_s)
+        except (TimeoutError, BackendError) as exc:
+            self.stats.pin_failures += 1
+            self._warn_once("pin", "pinning blocks before their load failed (%s)", exc)
+
     def _missed(self, answer: Answer, n: int) -> Answer:
         if answer.miss:
             name = counter(answer.miss)

@@ -39,6 +39,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "lookup_blocks": ("kvray_lookup_blocks", "Blocks looked up"),
     "lookup_hit_blocks": ("kvray_lookup_hit_blocks", "Blocks looked up and found (leading)"),
     "lookup_ssd_blocks": ("kvray_lookup_ssd_blocks", "Lookup hits only the SSD tier held"),
+    "pins": ("kvray_pins", "Steps' loads pinned (lookups answered from the node's index)"),
+    "pin_failures": ("kvray_pin_failures", "Pins that failed (their blocks loaded unpinned)"),
     "ssd_put_keys": ("kvray_ssd_put_blocks", "Blocks written to the SSD tier"),
     "ssd_get_keys": ("kvray_ssd_get_blocks", "DRAM misses the SSD tier served"),
     "ssd_get_bytes": ("kvray_ssd_get_bytes", "Bytes the SSD tier served"),

@@ -239,6 +239,11 @@ class LookupHandle(Handle):
     def snapshot(self) -> Call[dict[str, Any]]:
         return self._call("snapshot")
 
+    def pin(self, space: KeySpace, block_hashes: Sequence[bytes], timeout_s: float) -> Call[None]:
+        """Pin every rank's key of ``block_hashes`` until loaded (where the backend has
+        leases); never raises (a failed pin is counted)."""
+        return self._call("pin", space, block_hashes, timeout_s)
+
     def index_spec(self) -> Call[IndexSpec | None]:
         """The node's block index, for a scheduler to map (None: the pool keeps none)."""
         return self._call("index_spec")

@@ -36,6 +36,9 @@ class RankStats:
     ssd_get_bytes: int = 0
     lookup_ssd_blocks: int = 0
     """Blocks of lookup hits that only the SSD tier holds."""
+    pins: int = 0
+    """Pin calls: a step's blocks answered from the node's index, leased until loaded."""
+    pin_failures: int = 0
     ssd_blocks: int = 0
     ssd_used_bytes: int = 0
     ssd_evictions: int = 0

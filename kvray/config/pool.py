@@ -109,12 +109,13 @@ class PoolConfig(_Strict):
     """Timeout of one Pool API lookup call."""
     lookup_index: bool = False
     """Each node keeps an index of the pool's blocks in shared memory, kept current by a
-    stream of every client's stores and removes through the manager, and the schedulers
-    on the node answer a lookup's misses from it in microseconds, with no actor call
-    (kvray/block_index.py). Hits still go to the Lookup actor, which confirms them and
-    pins them until loaded. Off by default while it is being built (issue 27): the
-    SSD tier's own evictions and the blocks it holds from before a restart are not in the
-    stream yet, so with an SSD tier such blocks read as misses."""
+    stream of every client's stores, removes and keys found gone, through the manager;
+    the schedulers on the node answer lookups from it in microseconds, with no actor call,
+    and pin a step's loads with one call (kvray/block_index.py). A block the index shows
+    that is gone by its load is a failed load (recomputed, ``gone_at_load``). Off by
+    default while it is being built (issue 27): the backend's own evictions reach the
+    index only when a load finds a block gone, and the SSD tier's evictions and the blocks
+    it holds from before a restart are not in the stream yet (such blocks read as misses)."""
     lookup_index_blocks: int = Field(1 << 20, ge=1024, le=1 << 28)
     """Keys the index holds (every rank's and layer group's key of a block counts): 32
     bytes of shared memory per key on each node, and as much in the manager (1 Mi keys:

@@ -1,11 +1,13 @@
 """Scheduler side: the pool lookups in flight, one per request, polled without blocking a
 step.
 
-With the pool's ``lookup_index``, a lookup first reads the node's block index
-(kvray/block_index.py), mapped into this process: a request none of whose leading blocks
-is there is a miss answered on the spot, with no call. A request with hits there is
-asked of the Lookup actor as below, which confirms the hits (and pins them until the
-load). An index whose keeper has not been current for ``INDEX_STALE_S`` is not trusted.
+With the pool's ``lookup_index``, a lookup reads the node's block index
+(kvray/block_index.py), mapped into this process, and is answered on the spot, with no
+call: a hit there that is gone by load time is a failed load (recomputed, counted
+``gone_at_load``). The blocks loaded in a step are pinned with one call to the Lookup
+actor for the step (Mooncake leases them until the load), sent and not waited for. Only a
+PD decode's wait for its prefill's blocks still asks the actor, and every lookup does
+while the index is not current (its keeper last current more than ``INDEX_STALE_S`` ago).
 
 A lookup is one call to this node's Lookup actor: how many leading blocks (from a
 request's first block not in vLLM's own prefix cache) the pool holds for every rank of
@@ -24,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvray.block_index import GONE, REMOVED, TIERS, BlockIndex, space_digests
+from kvray.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex, space_digests
 from kvray.errors import KVRayError
 from kvray.index_stream import INDEX_STALE_S
-from kvray.lookup import Answer, Place, leading_hits, ssd_places
+from kvray.lookup import Answer, Place, ssd_places
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Waits
@@ -55,6 +57,17 @@ class PendingLookup:
     """Answered by the scheduler itself: the lookup was overdue (and was cancelled)."""
     answer: Answer | None = None
     """The answer already known (from the node's block index)."""
+
+
+def _why(vals: np.ndarray, held: np.ndarray) -> str:
+    """Why a block missed, from its columns' entries in the index (see kvray.misses)."""
+    if held.any():
+        return "partial_ranks"
+    if (vals & np.uint32(REMOVED)).any():
+        return "removed"
+    if (vals & np.uint32(GONE | TIERS)).any():
+        return "evicted"  # gone at a load, or only in another worker's SSD tier
+    return "not_stored"
 
 
 class Lookups:
@@ -104,8 +117,9 @@ class Lookups:
                            "ask the Lookup actor", exc)  # fmt: skip
 
     def _from_index(self, hashes: Sequence[bytes], placement: Placement | None) -> Answer | None:
-        """A miss the node's block index answers (no leading block held for every rank),
-        or None: ask the Lookup actor (hits to confirm, or no current index)."""
+        """The answer of the node's block index, or None: no current index, ask the
+        Lookup actor. A block counts where every column of it is held in the pool's DRAM
+        or in the SSD tier of the node slot whose worker loads that column."""
         index = self._index
         if index is None or not hashes:
             return None
@@ -117,26 +131,21 @@ class Lookups:
         if index.age_s() > INDEX_STALE_S:
             self._stats.add("index_stale")
             return None
-        space = self._space
-        vals = index.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, -1)
+        space, n = self._space, len(hashes)
+        vals = index.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, n)
         masks = np.empty(space.columns, dtype=np.uint32)
         places = ssd_places(space.world_size, placement, self._node_id)
         for c in range(space.columns):
             place: Place | None = places[c // space.layer_groups]
             ssd = index.place_bit(place.node_id, place.slot) if place is not None else 0
-            masks[c] = 1 | ssd
+            masks[c] = DRAM | ssd
         held = (vals & masks[:, None]) != 0
-        if leading_hits(held.ravel().tolist(), len(hashes), space.columns):
-            return None
-        self._stats.add("index_misses")
-        first = vals[:, 0]
-        if held[:, 0].any():
-            return Answer(0, "partial_ranks")
-        if (first & np.uint32(REMOVED)).any():
-            return Answer(0, "removed")
-        if (first & np.uint32(GONE)).any() or (first & np.uint32(TIERS)).any():
-            return Answer(0, "evicted")  # gone at a load, or in another worker's SSD tier
-        return Answer(0, "not_stored")
+        everywhere = held.all(axis=0)
+        hits = n if everywhere.all() else int(np.argmin(everywhere))
+        self._stats.add("index_hits" if hits else "index_misses")
+        if hits == n:
+            return Answer(hits)
+        return Answer(hits, _why(vals[:, hits], held[:, hits]))
 
     def start(
         self,
@@ -165,6 +174,13 @@ class Lookups:
 
     def get(self, req_id: str) -> PendingLookup | None:
         return self._pending.get(req_id)
+
+    def pin(self, hashes: Sequence[bytes]) -> None:
+        """Pin the blocks a step loads (answered from the index) until their load: one
+        call for the step, not waited for (a failed pin only leaves the block unpinned)."""
+        if self._index is not None and hashes:
+            self._handle.pin(self._space, list(hashes), self.timeout_s)
+            self._stats.add("index_pins")
 
     def drop(self, req_id: str) -> None:
         self._pending.pop(req_id, None)

@@ -327,6 +327,7 @@ class KVRayScheduler:
                 if self._block_owner.get(block_id) == rid:
                     del self._block_owner[block_id]
             self._preempted.append(rid)
+        self._lookups.pin([h for op in (*self._loads, *self._async_loads) for h in op.block_hashes])
         meta = KVRayMetadata(
             self._loads, self._async_loads, saves, self._delayed, self._preempted, self._step
         )

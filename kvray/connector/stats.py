@@ -32,7 +32,9 @@ COUNTERS = (
     "lookup_wait_steps",
     "load_wait_us",
     "pd_hash_mismatches",
+    "index_hits",
     "index_misses",
+    "index_pins",
     "index_stale",
     *(miss_counter(r) for r in REASONS),
 )
@@ -55,7 +57,9 @@ HELP = {
     "lookup_wait_steps": "Scheduler steps in which a request waited for its lookup",
     "load_wait_us": "Microseconds engine steps waited for pool loads (slowest rank)",
     "pd_hash_mismatches": "Decode requests whose prefill hashes blocks differently (no wait)",
+    "index_hits": "Lookups with hits answered by the node's block index, with no call",
     "index_misses": "Lookups answered as misses by the node's block index, with no call",
+    "index_pins": "Steps that pinned the blocks they load from the index (one call each)",
     "index_stale": "Lookups that found the node's block index not current (asked the actor)",
     **{miss_counter(r): f"Blocks missed: {text}" for r, text in REASONS.items()},
 }

@@ -40,11 +40,16 @@ STARTUP_S = 420
 
 
 def start_pool(  # type: ignore[no-untyped-def]
-    name: str, world_size: int, segment: str, backend: str = "mooncake", checksum: bool = True
+    name: str,
+    world_size: int,
+    segment: str,
+    backend: str = "mooncake",
+    checksum: bool = True,
+    **extra,
 ):
     """A pool with its embedded server: a mooncake_master (each rank contributes
     ``segment``) or a datasystem worker (``segment`` of shared memory in all); block
-    checksums on, as by default."""
+    checksums on, as by default; ``extra``: more of its config."""
     from kvray import Pool, PoolConfig
 
     data: dict = {
@@ -53,6 +58,7 @@ def start_pool(  # type: ignore[no-untyped-def]
         "detached": False,
         "backend": backend,
         "checksum": checksum,
+        **extra,
     }
     if backend == "mooncake":
         data["mooncake"] = {"global_segment_size": segment, "local_buffer_size": "32MB"}

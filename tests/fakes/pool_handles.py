@@ -189,6 +189,12 @@ class FakeLookup(LookupHandle):
         self.calls: list[FakeCall] = []
         self.index: IndexSpec | None = None
         """What ``index_spec`` answers: the node's block index (None: the pool keeps none)."""
+        self.pins: list[list[bytes]] = []
+        """The hashes of each ``pin`` call (one per step that loads index answers)."""
+
+    def pin(self, space: Any, block_hashes: Sequence[bytes], timeout_s: float) -> FakeCall:  # type: ignore[override]
+        self.pins.append(list(block_hashes))
+        return FakeCall("FakeLookup.pin", None)
 
     def index_spec(self) -> FakeCall:  # type: ignore[override]
         return FakeCall("FakeLookup.index_spec", self.index)

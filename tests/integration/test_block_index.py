@@ -63,6 +63,12 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
             pool.put(space.rank_key_strs(hashes[:1], 0), [block], rank=0)
             until(index, d[0, :1], [DRAM])
             assert index.age_s() < 5, "the keeper is not current"
+            # A step's pin: the Lookup actor's exists over every rank's key, counted.
+            lookup = pool._h.lookup()
+            before = lookup.snapshot().result(30)["stats"]["pins"]
+            lookup.pin(space, hashes, 5.0).result(30)
+            after = lookup.snapshot().result(30)["stats"]
+            assert (after["pins"], after["pin_failures"]) == (before + 1, 0)
         finally:
             index.close()
         pool.shutdown()

@@ -309,11 +309,11 @@ def matched_after_store(s: Sched, req: Request) -> Any:
     return got if got[0] is not None else s.sched.get_num_new_matched_tokens(req, 0)
 
 
-def test_the_node_index_answers_misses_with_no_call_and_sends_hits_to_the_actor():
-    """With the node's block index mapped: a request whose first block is in no tier
-    there is a miss on the spot (no lookup call, counted ``index_misses``, its reason
-    from the index); one whose leading blocks are all there goes to the Lookup actor,
-    which confirms them; an index whose keeper is not current is not trusted."""
+def test_the_node_index_answers_lookups_with_no_call_and_a_step_pins_its_loads():
+    """With the node's block index mapped: a lookup is answered on the spot (no call to
+    the Lookup actor; counted ``index_hits`` or ``index_misses``, a miss's reason from the
+    index); the step that loads the hits pins them with one call; an index whose keeper
+    is not current is not trusted (the actor is asked)."""
     from kvray.block_index import GONE, REMOVED, BlockIndex, space_digests
 
     index = BlockIndex.create(1024)
@@ -327,12 +327,20 @@ def test_the_node_index_answers_misses_with_no_call_and_sends_hits_to_the_actor(
     assert s.lookup.asked == [] and s.stat("index_misses") == 1
     assert s.stat("miss_not_stored") == 4
 
-    hit = s.request("hit", 70, None)
+    hit = s.request("hit", 70, first=5000)
     hit_hashes = [hash_bytes(h) for h in hit.block_hashes]
-    index.add(space_digests(space, hit_hashes).ravel())
-    assert matched_after_store(s, hit) == (64, False)
-    # (Its first lookup, as it arrived, was a miss from the index: nothing stored yet.)
-    assert len(s.lookup.asked) == 1 and s.stat("index_misses") == 2
+    d = space_digests(space, hit_hashes)
+    index.add(d[:, :3].ravel())  # 3 of its 4 blocks, every rank's
+    assert matched_after_store(s, hit) == (48, False)
+    assert s.lookup.asked == [] and s.stat("index_hits") == 1
+    assert s.stat("miss_not_stored") == 4 + 1
+    s.alloc(hit, [20, 21, 22, 23, 24], 48)
+    hit.num_computed_tokens = 48
+    meta = s.step({"hit": 70 - 48}, [(hit, [20, 21, 22, 23, 24])])
+    assert [op.block_hashes for op in meta.loads] == [tuple(hit_hashes[:3])]
+    assert s.lookup.pins == [hit_hashes[:3]] and s.stat("index_pins") == 1
+    s.step({"hit": 1})  # a step that loads nothing pins nothing
+    assert len(s.lookup.pins) == 1
 
     # Reasons: only rank 0 stored the first block; kvray removed it; a load found it gone.
     for i, (rid, store, why) in enumerate(
@@ -346,31 +354,30 @@ def test_the_node_index_answers_misses_with_no_call_and_sends_hits_to_the_actor(
             index.add(d[:, :1].ravel())
             index.remove(d[:, :1].ravel(), marker=int(store))
         assert matched_after_store(s, req) == (0, False)
-        assert s.stat(f"miss_{why}") >= 1, why
-    assert len(s.lookup.asked) == 1
+        assert s.stat(f"miss_{why}") == 4, why
+    assert s.lookup.asked == []
 
     index._head[9] = 1  # the keeper's last current moment: long ago
-    late = s.request("late", 70)  # the blocks of "hit": a hit, asked of the actor
-    assert s.sched.get_num_new_matched_tokens(late, 0) == (64, False)
-    assert len(s.lookup.asked) == 2 and s.stat("index_stale") == 1
+    late = s.request("late", 70, first=5000)
+    assert s.sched.get_num_new_matched_tokens(late, 0) == (64, False)  # the actor's answer
+    assert len(s.lookup.asked) == 1 and s.stat("index_stale") == 1
     index.close()
 
 
 def test_a_request_on_an_ssd_tier_counts_only_where_its_worker_loads():
-    """SSD bits: a block on the SSD of the slot that loads the column is a hit (to the
-    actor); on another slot's SSD only, a miss from the index."""
+    """SSD bits: a block on the SSD of the slot that loads the column is a hit; on another
+    slot's SSD only, a miss."""
     from kvray.block_index import BlockIndex, space_digests
 
     index = BlockIndex.create(1024)
     index.touch()
     s = Sched(index=index)
-    s.lookup.answer = answered(4)
     req = s.request("a", 70)
     d = space_digests(s.info.space, [hash_bytes(h) for h in req.block_hashes]).ravel()
     index.add(d, index.place_bit("fake-node", 1))  # slot 1's disk: not where rank 0 loads
     assert matched_after_store(s, req) == (0, False)
-    assert s.lookup.asked == [] and s.stat("miss_evicted") == 4
+    assert s.stat("miss_evicted") == 4
     index.add(d, index.place_bit("fake-node", 0))
     assert matched_after_store(s, req) == (64, False)
-    assert len(s.lookup.asked) == 1
+    assert s.lookup.asked == []
     index.close()

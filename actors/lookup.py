@@ -15,7 +15,7 @@ from kvray.backends import make_backend
 from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.index_stream import INDEX_POLL_S, IndexKeeper
+from kvray.index_stream import INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
@@ -46,7 +46,8 @@ class LookupActor:
         """The node's block index, which this actor keeps and the node's schedulers read
         (``lookup_index``)."""
         if config.lookup_index:
-            self._keeper = IndexKeeper(BlockIndex.create(config.lookup_index_blocks))
+            index = BlockIndex.create(config.lookup_index_blocks)
+            self._keeper = IndexKeeper(index, self._node_id)
         self._index_task: asyncio.Task[None] | None = None
 
     def _ensure_follower(self) -> None:
@@ -95,6 +96,11 @@ class LookupActor:
                 await asyncio.sleep(FLUSH_S)
                 continue
             keeper.apply(update)
+
+    async def index_apply(self, changes: list[IndexChange]) -> None:
+        """This node's clients' changes, as they make them."""
+        if self._keeper is not None:
+            self._keeper.apply_local(changes)
 
     async def index_spec(self) -> IndexSpec | None:
         self._ensure_follower()

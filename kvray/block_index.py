@@ -80,14 +80,20 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 def _fold_equal(hashes: Sequence[bytes], length: int) -> np.ndarray:
-    words = -(-length // 8)
     raw = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(hashes), length)
-    if length % 8:
-        padded = np.zeros((len(hashes), words * 8), dtype=np.uint8)
+    return _fold_rows(raw)
+
+
+def _fold_rows(raw: np.ndarray) -> np.ndarray:
+    """:func:`fold_hashes` of equal-length hashes given as the rows of a uint8 array."""
+    n, length = raw.shape
+    words = -(-length // 8)
+    if length % 8 or not raw.flags.c_contiguous:
+        padded = np.zeros((n, words * 8), dtype=np.uint8)
         padded[:, :length] = raw
         raw = padded
-    w = raw.view("<u8").reshape(len(hashes), words)
-    h = np.full(len(hashes), length, dtype=np.uint64)
+    w = raw.view("<u8").reshape(n, words)
+    h = np.full(n, length, dtype=np.uint64)
     for i in range(words):
         h = _mix(h ^ w[:, i])
     return h
@@ -128,23 +134,34 @@ def key_digests(keys: Iterable[str]) -> np.ndarray:
     its own column with an empty hash."""
     keys = list(keys)
     out = np.empty(len(keys), dtype=np.uint64)
-    groups: dict[str, tuple[list[int], list[bytes]]] = {}
+    groups: dict[str, tuple[list[int], list[str]]] = {}
     for i, k in enumerate(keys):
         cut = k.rfind(KEY_SEP) + 1
-        try:
-            block = bytes.fromhex(k[cut:]) if cut else None
-        except ValueError:
-            block = None
-        if not block:
-            prefix, block = k, b""
-        else:
-            prefix = k[:cut]
-        idx, blocks = groups.setdefault(prefix, ([], []))
+        idx, tails = groups.setdefault(k[:cut], ([], []))
         idx.append(i)
-        blocks.append(block)
-    for prefix, (idx, blocks) in groups.items():
-        out[idx] = digests(column_salt(prefix), fold_hashes(blocks))
+        tails.append(k[cut:])
+    for prefix, (idx, tails) in groups.items():
+        length = len(tails[0])
+        if prefix and length and not length % 2 and all(len(t) == length for t in tails):
+            try:  # one column's keys (what a put holds): one parse of all their hashes
+                raw = np.frombuffer(bytes.fromhex("".join(tails)), np.uint8)
+            except ValueError:
+                raw = None
+            if raw is not None:
+                out[idx] = digests(_salt(prefix), _fold_rows(raw.reshape(len(tails), -1)))
+                continue
+        for i, tail in zip(idx, tails, strict=True):
+            out[i] = _key_digest(prefix, tail)
     return out
+
+
+def _key_digest(prefix: str, tail: str) -> np.uint64:
+    try:
+        block = bytes.fromhex(tail) if prefix else b""
+    except ValueError:
+        block = b""
+    column = prefix if block else prefix + tail
+    return np.uint64(digests(_salt(column), fold_hashes([block]))[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,13 +239,13 @@ class BlockIndex:
 
     # ---- places ----------------------------------------------------------------------
 
-    def place_bit(self, node_id: str, slot: int) -> int:
+    def place_bit(self, node_id: str, slot: int, *, register: bool = True) -> int:
         """The tier bit of the SSD tier at ``node_id``'s slot ``slot``; 0 when it has
-        none (a reader: not registered; the writer: registers it, or 0 past
-        :data:`MAX_PLACES`, whose blocks then read as misses)."""
+        none (a reader, or ``register=False``: not registered; the writer: registers it,
+        or 0 past :data:`MAX_PLACES`, whose blocks then read as misses)."""
         got = self._read_places().get((node_id, slot))
         n = int(self._head[_PLACES])
-        if got is not None or not self._writer or n >= MAX_PLACES:
+        if got is not None or not (self._writer and register) or n >= MAX_PLACES:
             return got or 0
         raw = node_id.encode()
         if len(raw) > _PLACE_NODE:

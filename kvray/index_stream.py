@@ -2,13 +2,16 @@
 or removed, and in which tier, pushed through the pool manager to the index keeper of
 every node (kvray/block_index.py has the index; issue 27).
 
-Sources: each BackendClient reports its stores and removes as soon as it made them (one
-report in flight at a time; what arrives meanwhile goes in the next), as digests of the
-keys with the tier that took them: the pool's DRAM tier, or the SSD tier of the client's
-node and slot. The manager's :class:`IndexHub` applies them to its own copy of the index
-and appends them to a bounded log. Each node's keeper asks for the changes after the
-last one it applied, and the hub answers as soon as there are any (a long poll), so a
-store reaches the schedulers of every node within two actor calls.
+Sources: each BackendClient reports its stores and removes as it makes them, as digests
+of the keys with the tier that took them: the pool's DRAM tier, or the SSD tier of the
+client's node and slot. First to its own node's keeper, before the call that stored them
+returns (so a scheduler on that node reads what the node stored as soon as the store is
+done), then to the manager (one report in flight; what arrives meanwhile goes in the
+next). The manager's :class:`IndexHub` applies them to its own copy of the index and
+appends them to a bounded log. Each node's keeper asks for the changes after the last
+one it applied, and the hub answers as soon as there are any (a long poll), so a store
+reaches the schedulers of the other nodes within two actor calls. A keeper skips the
+changes of its own node's clients there: it has them already.
 
 A keeper whose position the log no longer reaches (it fell behind, or the hub is a new
 one after a manager restart: another ``epoch``) gets a snapshot instead: the hub's whole
@@ -52,6 +55,8 @@ class IndexChange:
     digests: bytes
     node_id: str = ""
     slot: int = -1
+    origin: str = ""
+    """The node of the client that reports it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +67,8 @@ class IndexUpdate:
     epoch: str
     seq: int
     places: list[tuple[str, int]]
-    changes: list[tuple[int, int, bytes]]
+    changes: list[tuple[int, int, bytes, str]]
+    """``(op, tier bits, digests, origin node)``."""
     snapshot: tuple[bytes, bytes] | None = None
 
 
@@ -72,7 +78,7 @@ class IndexHub:
     def __init__(self, capacity: int, log_digests: int = DEFAULT_LOG_DIGESTS) -> None:
         self.epoch = uuid.uuid4().hex[:12]
         self.index = BlockIndex.create(capacity, prefix="kvray-index-hub")
-        self._log: deque[tuple[int, int, bytes]] = deque()
+        self._log: deque[tuple[int, int, bytes, str]] = deque()
         self._base = 0
         """The position of ``_log[0]``."""
         self._logged = 0
@@ -90,10 +96,10 @@ class IndexHub:
                 continue
             d = np.frombuffer(c.digests, dtype="<u8")
             apply(self.index, c.op, bits, d)
-            self._log.append((c.op, bits, c.digests))
+            self._log.append((c.op, bits, c.digests, c.origin))
             self._logged += len(d)
         while self._logged > self._log_digests and len(self._log) > 1:
-            _, _, gone = self._log.popleft()
+            _, _, gone, _ = self._log.popleft()
             self._logged -= len(gone) // 8
             self._base += 1
         if self._changed is not None:
@@ -122,13 +128,31 @@ class IndexHub:
 
 
 class IndexKeeper:
-    """A node's side: the index the node's schedulers read, kept to the hub's updates."""
+    """A node's side: the index the node's schedulers read, kept to the hub's updates and
+    to its own node's clients' changes (:meth:`apply_local`)."""
 
-    def __init__(self, index: BlockIndex) -> None:
+    def __init__(self, index: BlockIndex, node_id: str = "") -> None:
         self.index = index
+        self.node_id = node_id
         self.epoch = ""
         self.seq = 0
         self.snapshots = 0
+        self._waiting: list[IndexChange] = []
+        """Changes of this node's clients in an SSD place the hub has not named yet."""
+
+    def apply_local(self, changes: list[IndexChange]) -> None:
+        """Changes of this node's clients, as they make them. An SSD place the hub has not
+        named yet has no bit here (bits are the hub's): its changes wait until it has."""
+        for c in changes:
+            bits = DRAM if c.slot < 0 else self.index.place_bit(c.node_id, c.slot, register=False)
+            if bits and not (self._waiting and c.slot >= 0):
+                apply(self.index, c.op, bits, np.frombuffer(c.digests, dtype="<u8"))
+            else:  # (behind others waiting: in order)
+                self._waiting.append(c)
+
+    def _flush_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        self.apply_local(waiting)
 
     def apply(self, update: IndexUpdate) -> None:
         if update.snapshot is not None:
@@ -140,8 +164,11 @@ class IndexKeeper:
             # New places since: registered in the hub's order, so the bits are the hub's.
             for node_id, slot in update.places[len(self.index.places()) :]:
                 self.index.place_bit(node_id, slot)
-            for op, bits, raw in update.changes:
-                apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
+            for op, bits, raw, origin in update.changes:
+                if origin != self.node_id or not origin:  # ours: applied as they came
+                    apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
+        if self._waiting:
+            self._flush_waiting()
         self.epoch, self.seq = update.epoch, update.seq
         self.index.touch()
 

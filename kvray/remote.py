@@ -244,6 +244,10 @@ class LookupHandle(Handle):
         leases); never raises (a failed pin is counted)."""
         return self._call("pin", space, block_hashes, timeout_s)
 
+    def index_apply(self, changes: list[IndexChange]) -> Call[None]:
+        """This node's clients' block-index changes, applied as they make them."""
+        return self._call("index_apply", changes)
+
     def index_spec(self) -> Call[IndexSpec | None]:
         """The node's block index, for a scheduler to map (None: the pool keeps none)."""
         return self._call("index_spec")

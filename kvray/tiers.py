@@ -83,20 +83,14 @@ nodes' block indexes (kvray/index_stream.py)."""
 
 class TieredStore:
     """DRAM (``dram``) over an optional ``lower`` tier, counting into ``dram.stats``;
-    remembers what it stored and removed for the pool's ledger (:meth:`take_changes`),
-    and, with ``index``, per tier for the block indexes (:meth:`take_index_keys`): what
-    each tier stored and removed, and the keys a load found gone (evicted since)."""
+    remembers what it stored and removed for the pool's ledger (:meth:`take_changes`).
+    A call given an ``index`` list adds to it, per tier, what the call stored and removed
+    and the keys it found gone (evicted since), for the nodes' block indexes."""
 
-    def __init__(
-        self, dram: RankStore, lower: LowerTier | None = None, *, index: bool = False
-    ) -> None:
+    def __init__(self, dram: RankStore, lower: LowerTier | None = None) -> None:
         self.dram = dram
         self.lower = lower
         self._changes: Entries = []
-        self._index = index
-        self._index_keys: IndexKeys = []
-        self.index_changed = asyncio.Event() if index else None
-        """Set when there is something for :meth:`take_index_keys`."""
 
     @property
     def stats(self) -> RankStats:
@@ -107,27 +101,20 @@ class TieredStore:
         changes, self._changes = self._changes, []
         return changes
 
-    def take_index_keys(self) -> IndexKeys:
-        keys, self._index_keys = self._index_keys, []
-        if self.index_changed is not None:
-            self.index_changed.clear()
-        return keys
-
+    @staticmethod
     def _note_index(
-        self,
+        index: IndexKeys | None,
         op: int,
         lower: bool,
         keys: Sequence[str],
         statuses: Sequence[KeyStatus],
         *of: KeyStatus,
     ) -> None:
-        if not self._index:
+        if index is None:
             return
         picked = [k for k, s in zip(keys, statuses, strict=True) if s in of]
         if picked:
-            self._index_keys.append((op, lower, picked))
-            assert self.index_changed is not None, "index keys without their event: kvray's bug"
-            self.index_changed.set()
+            index.append((op, lower, picked))
 
     def _note(self, keys: Sequence[str], statuses: Sequence[KeyStatus], what: Seen) -> None:
         now = time.time()
@@ -137,10 +124,12 @@ class TieredStore:
             if s is KeyStatus.OK
         )
 
-    async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
+    async def put(
+        self, batch: TransferBatch, overwrite: bool = False, *, index: IndexKeys | None = None
+    ) -> list[KeyStatus]:
         if self.lower is None:
             statuses = await self.dram.put(batch, overwrite=overwrite)
-            self._note_index(ADD, False, batch.keys, statuses, KeyStatus.OK)
+            self._note_index(index, ADD, False, batch.keys, statuses, KeyStatus.OK)
         else:
             # Write-through to both tiers at once; the caller may reuse its memory when
             # this returns, so the lower tier's write is awaited too.
@@ -150,22 +139,22 @@ class TieredStore:
             )
             self.dram.stats.ssd_put_keys += sum(s is KeyStatus.OK for s in lower)
             statuses = _either(dram, lower)
-            self._note_index(ADD, False, batch.keys, dram, KeyStatus.OK)
-            self._note_index(ADD, True, batch.keys, lower, KeyStatus.OK)
+            self._note_index(index, ADD, False, batch.keys, dram, KeyStatus.OK)
+            self._note_index(index, ADD, True, batch.keys, lower, KeyStatus.OK)
         self._note(batch.keys, statuses, Seen.STORED)
         return statuses
 
-    async def get(self, batch: TransferBatch) -> list[KeyStatus]:
+    async def get(self, batch: TransferBatch, *, index: IndexKeys | None = None) -> list[KeyStatus]:
         statuses = await self.dram.get(batch)
         # Keys a load found gone (evicted since they were stored) or removed as corrupt.
-        self._note_index(GONE, False, batch.keys, statuses, *_GONE)
+        self._note_index(index, GONE, False, batch.keys, statuses, *_GONE)
         if self.lower is None:
             return statuses
         misses = [i for i, s in enumerate(statuses) if s in LOWER_TIER_SERVES]
         if misses:
             sub = batch.take(misses)
             lower = await self.lower.get(sub)
-            self._note_index(GONE, True, sub.keys, lower, *_GONE)
+            self._note_index(index, GONE, True, sub.keys, lower, *_GONE)
             nbytes = sub.key_nbytes()
             for j, (i, s) in enumerate(zip(misses, lower, strict=True)):
                 if s is KeyStatus.OK:
@@ -181,12 +170,14 @@ class TieredStore:
         lower = await self.lower.exists(list(keys))
         return [a or b for a, b in zip(present, lower, strict=True)]
 
-    async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
+    async def remove(
+        self, keys: Sequence[str], force: bool = False, *, index: IndexKeys | None = None
+    ) -> list[KeyStatus]:
         statuses = await self.dram.remove(keys, force=force)
-        self._note_index(REMOVE, False, keys, statuses, *_GONE, KeyStatus.OK)
+        self._note_index(index, REMOVE, False, keys, statuses, *_GONE, KeyStatus.OK)
         if self.lower is not None:
             lower = await self.lower.remove(list(keys), force=force)
-            self._note_index(REMOVE, True, keys, lower, *_GONE, KeyStatus.OK)
+            self._note_index(index, REMOVE, True, keys, lower, *_GONE, KeyStatus.OK)
             statuses = _either(statuses, lower)
         self._note(keys, statuses, Seen.REMOVED)
         return statuses

@@ -78,10 +78,11 @@ def bench_pool(
     master: dict[str, Any] | None = None,
     *,
     checksum: bool = True,
+    lookup_index: bool = False,
 ) -> Any:
     """A kvray pool ``name`` in the connected Ray cluster (embedded master, one client per
     node); ``checksum=False``: without block checksums (what they cost is measured
-    against it)."""
+    against it); ``lookup_index``: lookups answered from the node's block index."""
     from kvray import Pool, PoolConfig
 
     spec: dict[str, Any] = {
@@ -89,6 +90,7 @@ def bench_pool(
         "world_size": 1,
         "detached": False,
         "checksum": checksum,
+        "lookup_index": lookup_index,
         "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
     }
     if master is not None:

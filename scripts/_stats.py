@@ -19,16 +19,32 @@ def paired_ratio(
     if len(num) != len(den) or not num:
         raise ValueError(f"paired_ratio needs equal, non-empty rep lists ({len(num)}, {len(den)})")
     ratios = np.asarray(num, dtype=float) / np.asarray(den, dtype=float)
+    return {**_median_ci(ratios, resamples, seed), "ratios": [float(r) for r in ratios]}
+
+
+def _median_ci(values: np.ndarray, resamples: int, seed: int) -> dict[str, Any]:
+    """The median of ``values`` and its 95 % bootstrap interval (percentile method)."""
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
-    medians = np.median(ratios[picks], axis=1)
-    lo, hi = np.percentile(medians, [2.5, 97.5])
+    picks = rng.integers(0, len(values), size=(resamples, len(values)))
+    lo, hi = np.percentile(np.median(values[picks], axis=1), [2.5, 97.5])
     return {
-        "median": float(statistics.median(ratios.tolist())),
+        "median": float(statistics.median(values.tolist())),
         "ci95": [float(lo), float(hi)],
-        "ratios": [float(r) for r in ratios],
-        "pairs": len(ratios),
+        "pairs": len(values),
     }
+
+
+def paired_difference_ms(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000, seed: int = 0
+) -> dict[str, Any]:
+    """Median of ``a[i] - b[i]`` (seconds in, milliseconds out) and its 95 % bootstrap
+    interval: ``{"median", "ci95", "diffs", "pairs"}``."""
+    if len(a) != len(b) or not a:
+        raise ValueError(
+            f"paired_difference_ms needs equal, non-empty rep lists ({len(a)}, {len(b)})"
+        )
+    diffs = (np.asarray(a, dtype=float) - np.asarray(b, dtype=float)) * 1e3
+    return {**_median_ci(diffs, resamples, seed), "diffs": [float(d) for d in diffs]}
 
 
 def pct(ratio: float) -> str:

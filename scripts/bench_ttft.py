@@ -15,7 +15,11 @@ own process, up for the whole run):
   ``staged`` placement (blocks gathered into and scattered from a staging region: the
   GPU/NPU path), so its overhead over ``shared`` shows;
 - ``peer``: vLLM's MooncakeStoreConnector (embedded mode: an in-process Mooncake client,
-  its own mooncake_master with the pool master's settings), prefix caching off.
+  its own mooncake_master with the pool master's settings), prefix caching off;
+- ``index`` (``--configs ...,index``): ``kvray`` on a second pool with ``lookup_index:
+  true``: lookups answered from the node's block index in the scheduler's process, with
+  no call (the table then shows index - kvray per row: what the lookup's round trip
+  cost, median of paired differences with its 95 % interval).
 
 Reps are interleaved: for every (input length, hit rate, rep) each engine in turn, in
 an order rotated per rep, seeds the prefix and times one request that starts with it;
@@ -60,9 +64,9 @@ from _engines import (  # noqa: E402
     start_bench_pool,
     start_peer_master,
 )
-from _stats import paired_ratio, pct  # noqa: E402
+from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
-CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock")
+CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index")
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
     "full": "full",
@@ -71,6 +75,7 @@ LABELS = {
     "staged": "staged",
     "peer": "peer",
     "nock": "no-cksum",
+    "index": "index",
 }
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
@@ -79,9 +84,10 @@ SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb",
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
-    if name in ("kvray", "staged", "nock"):
+    if name in ("kvray", "staged", "nock", "index"):
+        pools = {"nock": "bench-nock", "index": "bench-ix"}
         extra = {
-            "pool_name": "bench-nock" if name == "nock" else "bench",
+            "pool_name": pools.get(name, "bench"),
             "load_async": False,
             "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
@@ -141,6 +147,12 @@ def main() -> int:
         if ("nock" in configs)
         else None
     )
+    # index: kvray as "kvray", on a pool whose lookups the node's block index answers
+    index_pool = (
+        bench_pool("bench-ix", "2GB", "256MB", master, lookup_index=True)
+        if ("index" in configs)
+        else None
+    )
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     peer_master = None
     engines: dict[str, Engine] = {}
@@ -175,6 +187,8 @@ def main() -> int:
             peer_master.stop()
         if nock_pool is not None:
             nock_pool.shutdown()
+        if index_pool is not None:
+            index_pool.shutdown()
         pool.shutdown()
         ray.shutdown()
     shutil.rmtree(tmp)  # engine logs: kept when the run failed
@@ -190,10 +204,16 @@ def main() -> int:
                 row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
             if "nock" in configs and "kvray" in configs:
                 row["checksum_cost"] = paired_ratio(row["reps_kvray_s"], row["reps_nock_s"])
+            if "index" in configs and "kvray" in configs:
+                row["index_minus_kvray_ms"] = paired_difference_ms(
+                    row["reps_index_s"], row["reps_kvray_s"]
+                )
             rows.append(row)
     print_table(rows, configs)
     if "nock" in configs and "kvray" in configs:
         print_checksum_cost(rows)
+    if "index" in configs and "kvray" in configs:
+        print_index_gain(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_meta(
@@ -228,6 +248,21 @@ def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
     )
 
 
+def print_index_gain(rows: list[dict[str, Any]]) -> None:
+    """What answering lookups from the node's index changes: per row, the median of the
+    per-rep differences index - kvray (the same engine config; kvray asks the Lookup
+    actor), with its 95 % bootstrap interval."""
+    print(f"\n{'input':>6} {'hit':>5} {'index - kvray ms':>17} {'95% CI':>17} {'pairs':>6}")
+    for r in rows:
+        d = r["index_minus_kvray_ms"]
+        lo, hi = d["ci95"]
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {d['median']:>17.2f} "
+            f"{f'[{lo:.2f}, {hi:.2f}]':>17} {d['pairs']:>6}"
+        )
+    print("index - kvray = median over reps of TTFT(index) - TTFT(kvray), paired (interleaved)")
+
+
 def check_cached(name: str, cached: int, prefix_len: int, length: int) -> None:
     """A caching configuration that did not skip the prefix (or ``full`` that skipped
     anything) measured something else than it claims: the run is void."""
@@ -257,7 +292,7 @@ def print_table(rows: list[dict[str, Any]], configs: list[str]) -> None:
             return f"{'-':>8}"
         return f"{(row['ttft_full_s'] - row[key]) / ideal:8.2f}"
 
-    savers = [n for n in ("kvray", "staged", "peer") if n in configs]
+    savers = [n for n in ("kvray", "staged", "peer", "index") if n in configs]
     print()
     print(
         f"{'input':>6} {'hit':>5} "

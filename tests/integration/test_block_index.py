@@ -1,9 +1,10 @@
 """The node's block index on a real pool (``lookup_index: true``): real Ray, a real
-mooncake_master and clients. What the pool's clients store reaches the index that the
-node's Lookup actor keeps, through the manager's stream, and a process that maps it (as a
-scheduler does) reads every rank's column there; kvray's removes and a load that finds a
-block evicted leave their markers; with the SSD tier, the blocks carry the bit of the
-node slot whose disk holds them."""
+mooncake_master and clients. What the pool's clients on this node store is in the index
+that the node's Lookup actor keeps by the time the store returns, and a process that maps
+it (as a scheduler does) reads every rank's column there; kvray's removes and a load that
+finds a block evicted leave their markers, as the call returns too; with the SSD tier,
+the blocks carry the bit of the node slot whose disk holds them once the manager's
+stream named that place."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def mapped(pool: Pool) -> BlockIndex:
     return BlockIndex.attach(spec)
 
 
+def shows(index: BlockIndex, d: np.ndarray, want: list[int]) -> None:
+    """The index shows tier masks ``want`` for ``d`` now."""
+    assert index.tiers(d).tolist() == want
+
+
 def until(index: BlockIndex, d: np.ndarray, want: list[int], timeout_s: float = 20) -> float:
     """Seconds until the index shows tier masks ``want`` for ``d`` (fails at timeout)."""
     t0 = time.monotonic()
@@ -51,17 +57,17 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
             d = space_digests(space, hashes)  # (2 ranks, 6 blocks)
             assert not index.tiers(d.ravel()).any()
             pool.put(space.rank_key_strs(hashes, 0), [block] * 6, rank=0)
-            until(index, d[0], [DRAM] * 6)
+            shows(index, d[0], [DRAM] * 6)
             assert not index.tiers(d[1]).any()  # rank 1 stored nothing yet
             pool.put(space.rank_key_strs(hashes, 1), [block] * 6, rank=1)
-            until(index, d[1], [DRAM] * 6)
+            shows(index, d[1], [DRAM] * 6)
 
             # kvray removes rank 0's first block: it says so.
             assert pool.remove(space.rank_key_strs(hashes[:1], 0), force=True) == [KeyStatus.OK]
-            until(index, d[0, :1], [REMOVED])
+            shows(index, d[0, :1], [REMOVED])
             # Stored again: back in its tier.
             pool.put(space.rank_key_strs(hashes[:1], 0), [block], rank=0)
-            until(index, d[0, :1], [DRAM])
+            shows(index, d[0, :1], [DRAM])
             assert index.age_s() < 5, "the keeper is not current"
             # A step's pin: the Lookup actor's exists over every rank's key, counted.
             lookup = pool._h.lookup()
@@ -88,7 +94,7 @@ def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
         try:
             d = space_digests(space, hashes).ravel()
             pool.put(keys, [np.ones(4096, np.uint8)] * 3)
-            until(index, d, [DRAM] * 3)
+            shows(index, d, [DRAM] * 3)
 
             async def evict() -> list[KeyStatus]:
                 raw = make_backend(cfg, pool.server_address, contribute_memory=False)
@@ -100,7 +106,7 @@ def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
             assert asyncio.run(evict()) == [KeyStatus.OK]
             assert index.tiers(d[:1]).tolist() == [DRAM]  # nobody told the index
             assert pool.get(keys[0], shape=(4096,), dtype=np.uint8) is None
-            until(index, d[:1], [GONE])
+            shows(index, d[:1], [GONE])
         finally:
             index.close()
         pool.shutdown()

@@ -84,3 +84,27 @@ def test_a_long_poll_answers_when_something_is_recorded_or_at_its_limit():
         np.testing.assert_array_equal(np.frombuffer(got.changes[0][2], "<u8"), key_digests(keys(3)))
 
     asyncio.run(scenario())
+
+
+def test_a_keeper_applies_its_own_nodes_changes_at_once_and_skips_them_in_the_stream():
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096), "node-a")
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    k = keys(10)
+    ours = [change(ADD, k[:5]), change(ADD, k[:5], "node-a", 0)]
+    ours = [IndexChange(c.op, c.digests, c.node_id, c.slot, "node-a") for c in ours]
+    keeper.apply_local(ours)
+    # DRAM at once; the SSD place has no bit until the hub names it: its changes wait.
+    assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM] * 5
+    hub.record(ours)
+    theirs = IndexChange(REMOVE, key_digests(k[:1]).astype("<u8").tobytes(), origin="node-b")
+    hub.record([theirs])
+    keeper.apply_local([IndexChange(REMOVE, ours[0].digests[:8], origin="node-a")])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    ssd = keeper.index.place_bit("node-a", 0)
+    assert ssd == hub.index.place_bit("node-a", 0)
+    # Its own changes from the stream are skipped (the local remove of k0 from DRAM
+    # stands, the stream's add of k0 is not applied again); the SSD changes that waited
+    # for their place are applied once the hub named it.
+    tiers = keeper.index.tiers(key_digests(k[:5])).tolist()
+    assert tiers == [ssd] + [DRAM | ssd] * 4

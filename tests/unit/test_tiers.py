@@ -144,33 +144,32 @@ def test_checksum_work_is_split_into_runs_of_equal_bytes():
 
 
 def test_the_index_hears_each_tier_store_remove_and_find_keys_gone(tmp_path):
-    """With ``index``: what each tier took, what kvray removed, and what a load found gone
-    from a tier (DRAM evicted behind kvray's back), each as its own report, and the event
-    the BackendClient's reporter waits on."""
+    """A call given an ``index`` list: what each tier took, what kvray removed, and what a
+    load found gone from a tier (DRAM evicted behind kvray's back), each its own entry."""
     from kvray.index_stream import ADD, GONE, REMOVE
 
     region = SharedRegion.create("kvray-test-tiers", 8 * BLOCK)
     dram, ssd = store(tmp_path / "dram"), store(tmp_path / "ssd")
-    tiers = TieredStore(dram, ssd, index=True)
+    tiers = TieredStore(dram, ssd)
 
     async def scenario() -> None:
         keys = [f"k{i}" for i in range(4)]
         fill(region, 4, 1)
-        assert tiers.index_changed is not None and not tiers.index_changed.is_set()
-        await tiers.put(batch(region, keys))
-        assert tiers.index_changed.is_set()
-        assert tiers.take_index_keys() == [(ADD, False, keys), (ADD, True, keys)]
-        assert not tiers.index_changed.is_set()
+        noted: list = []
+        await tiers.put(batch(region, keys), index=noted)
+        assert noted == [(ADD, False, keys), (ADD, True, keys)]
         await dram.backend.remove(keys[:2])  # evicted: only a load finds out
-        assert await tiers.get(batch(region, keys, first=4)) == [KeyStatus.OK] * 4
-        assert tiers.take_index_keys() == [(GONE, False, keys[:2])]
+        noted = []
+        assert await tiers.get(batch(region, keys, first=4), index=noted) == [KeyStatus.OK] * 4
+        assert noted == [(GONE, False, keys[:2])]
         await ssd.backend.remove(keys[3:])
-        assert await tiers.remove(keys[2:]) == [KeyStatus.OK] * 2
+        noted = []
+        assert await tiers.remove(keys[2:], index=noted) == [KeyStatus.OK] * 2
         # DRAM had both; the SSD tier only k2 (k3 was already gone: gone either way).
-        assert tiers.take_index_keys() == [(REMOVE, False, keys[2:]), (REMOVE, True, keys[2:])]
+        assert noted == [(REMOVE, False, keys[2:]), (REMOVE, True, keys[2:])]
+        assert await tiers.get(batch(region, keys)) is not None  # no list: nothing noted
 
     try:
         run(scenario())
     finally:
         region.close()
-    assert TieredStore(dram).index_changed is None  # no index: nothing kept

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -15,27 +14,21 @@ import ray
 
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
-from kvray.block_index import key_digests
 from kvray.config import PoolConfig
-from kvray.errors import KVRayError
-from kvray.index_stream import IndexChange
+from kvray.index_publisher import IndexPublisher
 from kvray.keys import probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S
 from kvray.metrics import export_forever
-from kvray.naming import lookup_name
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
-from kvray.remote import LookupHandle, ManagerHandle, StoreHandle
+from kvray.remote import ManagerHandle, StoreHandle
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
 from kvray.tiers import IndexKeys, RemoteTier, TieredStore
 from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
-
-KEEPER_RETRY_S = 5.0
-"""How long a BackendClient waits before it looks for its node's index keeper again."""
 
 
 class BackendClientActor:
@@ -57,12 +50,10 @@ class BackendClientActor:
         self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config
         self._background: list[asyncio.Task[None]] = []
-        self._indexed = config.lookup_index
-        self._for_hub: list[IndexChange] = []
-        """Index changes not yet sent to the manager's hub."""
-        self._hub_ready = asyncio.Event()
-        self._keeper: LookupHandle | None = None
-        self._keeper_retry_at = 0.0
+        self._index: IndexPublisher | None = None
+        """Changes to the pool's block indexes (``lookup_index``)."""
+        if config.lookup_index:
+            self._index = IndexPublisher(config, self._node_id, "BackendClient")
 
     def _ensure_background(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -74,8 +65,8 @@ class BackendClientActor:
                 ),
                 loop.create_task(self._report()),
             ]
-            if self._indexed:
-                self._background.append(loop.create_task(self._report_index()))
+            if self._index is not None:
+                self._background.append(loop.create_task(self._index.run()))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
         return self._store.stats, int(self._store.backend.info().get("segment_bytes") or 0)
@@ -89,56 +80,13 @@ class BackendClientActor:
             if changes:
                 await manager.call(partial(ManagerHandle.ledger_record, changes=changes))
 
-    async def _report_index(self) -> None:
-        """Send the index changes to the manager's hub (for the other nodes' keepers):
-        one report in flight, what comes meanwhile goes in the next."""
-        manager = ManagerLink(
-            self._config, "BackendClient", "other nodes' block indexes miss its blocks"
-        )
-        while True:
-            await self._hub_ready.wait()
-            self._hub_ready.clear()
-            changes, self._for_hub = self._for_hub, []
-            if changes:
-                await manager.call(partial(ManagerHandle.index_record, changes=changes))
-
-    async def _publish(self, keys: IndexKeys) -> None:
-        """A call's index changes: applied by this node's keeper before the call returns
-        (what a scheduler on this node reads next includes them), then queued for the
-        hub. A keeper that cannot be reached is found again after a pause; meanwhile the
-        hub's stream brings the changes to it."""
-        if not keys:
-            return
-        slot = self._store.rank
-        changes = [
-            IndexChange(op, key_digests(ks).astype("<u8").tobytes(),
-                        self._node_id if lower else "", slot if lower else -1, self._node_id)
-            for op, lower, ks in keys
-        ]  # fmt: skip
-        self._for_hub.extend(changes)
-        self._hub_ready.set()
-        keeper = await self._find_keeper()
-        if keeper is None:
-            return
-        try:
-            await keeper.index_apply(changes).aresult(self._config.call_timeout_s)
-        except KVRayError as exc:
-            self._keeper, self._keeper_retry_at = None, time.monotonic() + KEEPER_RETRY_S
-            logger.warning("kvray BackendClient: this node's block index did not take a "
-                           "change (%s); it gets it from the pool's stream", exc)  # fmt: skip
-
-    async def _find_keeper(self) -> LookupHandle | None:
-        if self._keeper is None and time.monotonic() >= self._keeper_retry_at:
-            name = lookup_name(self._config.name, self._node_id)
-            try:
-                actor = await asyncio.to_thread(
-                    ray.get_actor, name, namespace=self._config.namespace
-                )
-            except ValueError:  # no scheduler on this node asked for one yet
-                self._keeper_retry_at = time.monotonic() + KEEPER_RETRY_S
-                return None
-            self._keeper = LookupHandle(actor, f"Lookup@{self._node_id[:8]}")
-        return self._keeper
+    async def _publish(self, keys: IndexKeys | None) -> None:
+        if self._index is not None and keys:
+            slot = self._store.rank
+            changes = [
+                self._index.changes(op, ks, slot if lower else None) for op, lower, ks in keys
+            ]
+            await self._index.publish(changes)
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_background()
@@ -151,15 +99,15 @@ class BackendClientActor:
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
         self._ensure_background()
-        keys: IndexKeys | None = [] if self._indexed else None
+        keys: IndexKeys | None = [] if self._index is not None else None
         statuses = await self._tiers.put(batch, overwrite, index=keys)
-        await self._publish(keys or [])
+        await self._publish(keys)
         return statuses
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
-        keys: IndexKeys | None = [] if self._indexed else None
+        keys: IndexKeys | None = [] if self._index is not None else None
         statuses = await self._tiers.get(batch, index=keys)
-        await self._publish(keys or [])
+        await self._publish(keys)
         return statuses
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -167,9 +115,9 @@ class BackendClientActor:
 
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         self._ensure_background()
-        notes: IndexKeys | None = [] if self._indexed else None
+        notes: IndexKeys | None = [] if self._index is not None else None
         statuses = await self._tiers.remove(keys, force, index=notes)
-        await self._publish(notes or [])
+        await self._publish(notes)
         return statuses
 
     async def map_region(self, spec: RegionSpec) -> None:

@@ -9,9 +9,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+
 from kvray.backends import KeyStatus
 from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
+from kvray.index_publisher import IndexPublisher
+from kvray.index_stream import ADD, GONE
 from kvray.keys import probe_hash
 from kvray.metrics import export_forever
 from kvray.rank_store import RankStore
@@ -31,14 +35,44 @@ class SsdOffloadActor:
         self._store = RankStore(self._tier, rank)
         self._name = config.name
         self._exporter: asyncio.Task[None] | None = None
+        self._index: IndexPublisher | None = None
+        """The tier's blocks for the pool's block indexes (``lookup_index``): all it holds
+        at start, then what its quota evicts (stores and removes the BackendClient above
+        it reports)."""
+        if config.lookup_index:
+            node_id = ray.get_runtime_context().get_node_id()
+            self._index = IndexPublisher(config, node_id, "SSD offload")
+            self._tier.evicted = []
+        self._publisher: asyncio.Task[None] | None = None
+        self._announced = asyncio.Lock()
+        self._announce_done = False
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_exporter()
+        await self._announce()
         return {"rank": self._store.rank, "pid": os.getpid(), "probe_hash": probe_hash()}
+
+    async def _announce(self) -> None:
+        """Everything the tier holds, once, before any other call of this actor changes
+        it (the launcher probes each actor it makes before handing it out)."""
+        if self._index is None or self._announce_done:
+            return
+        async with self._announced:
+            if not self._announce_done:
+                keys = self._tier.keys()
+                if keys:
+                    await self._index.publish([self._index.changes(ADD, keys, self._store.rank)])
+                self._announce_done = True
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
         self._ensure_exporter()
-        return await self._store.put(batch, overwrite=overwrite)
+        await self._announce()
+        statuses = await self._store.put(batch, overwrite=overwrite)
+        if self._index is not None:
+            evicted = self._tier.take_evicted()
+            if evicted:
+                await self._index.publish([self._index.changes(GONE, evicted, self._store.rank)])
+        return statuses
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
         return await self._store.get(batch)
@@ -73,12 +107,18 @@ class SsdOffloadActor:
     def _ensure_exporter(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
         if self._exporter is None:
-            self._exporter = asyncio.get_running_loop().create_task(
+            loop = asyncio.get_running_loop()
+            self._exporter = loop.create_task(
                 export_forever(self._name, "ssd", self._store.rank, self._metrics)
             )
+            if self._index is not None:
+                self._publisher = loop.create_task(self._index.run())
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
         return self._tier_stats(), None
 
     async def close(self) -> None:
+        for task in (self._exporter, self._publisher):
+            if task is not None:
+                task.cancel()
         await self._store.close()

@@ -129,6 +129,8 @@ class SsdBackend(Backend):
         self._used = 0
         self._seq = 0
         self.stats = SsdStats()
+        self.evicted: list[str] | None = None
+        """When a list: the keys the quota evicts are added to it (for the block index)."""
         started = time.monotonic()
         self._rebuild()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvray-ssd")
@@ -193,6 +195,8 @@ class SsdBackend(Backend):
             self._used -= entry.offset + entry.payload
             entry.path.unlink(missing_ok=True)
             self.stats.evictions += 1
+            if self.evicted is not None:
+                self.evicted.append(key)
         return True
 
     # ---- I/O (worker threads) ----------------------------------------------------------
@@ -314,6 +318,19 @@ class SsdBackend(Backend):
         self.stats.hits += 1
         self.stats.bytes_read += entry.payload
         return KeyStatus.OK
+
+    def keys(self) -> list[str]:
+        """Every key the tier holds now."""
+        with self._lock:
+            return list(self._index)
+
+    def take_evicted(self) -> list[str]:
+        """The keys evicted since the last call (with :attr:`evicted` set)."""
+        with self._lock:
+            if not self.evicted:
+                return []
+            keys, self.evicted = self.evicted, []
+            return keys
 
     def _forget(self, key: str, entry: _Entry) -> None:
         with self._lock:

@@ -114,8 +114,7 @@ class PoolConfig(_Strict):
     and pin a step's loads with one call (kvray/block_index.py). A block the index shows
     that is gone by its load is a failed load (recomputed, ``gone_at_load``). Off by
     default while it is being built (issue 27): the backend's own evictions reach the
-    index only when a load finds a block gone, and the SSD tier's evictions and the blocks
-    it holds from before a restart are not in the stream yet (such blocks read as misses)."""
+    index only when a load finds a block gone (a bounded reconcile is not built yet)."""
     lookup_index_blocks: int = Field(1 << 20, ge=1024, le=1 << 28)
     """Keys the index holds (every rank's and layer group's key of a block counts): 32
     bytes of shared memory per key on each node, and as much in the manager (1 Mi keys:

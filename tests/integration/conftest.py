@@ -106,13 +106,15 @@ def small_config(master_address: str | None, **overrides):
 
 
 def ssd_pool_config(tmp_path, name: str, **over):  # type: ignore[no-untyped-def]
-    """A 1-rank pool of a 16 MB Mooncake DRAM tier over a 256 MB SSD tier in ``tmp_path``."""
+    """A 1-rank pool of a 16 MB Mooncake DRAM tier over a 256 MB SSD tier in ``tmp_path``
+    (``over``: other fields; a dict is merged into the section)."""
+    ssd = {"path": str(tmp_path), "quota": "256MB", "io_threads": 2, **over.pop("ssd", {})}
     return small_config(
         None,
         name=name,
         world_size=1,
         pipeline="mooncake|ssd",
-        ssd={"path": str(tmp_path), "quota": "256MB", "io_threads": 2},
+        ssd=ssd,
         mooncake={"global_segment_size": "16MB"},
         **over,
     )

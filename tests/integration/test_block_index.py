@@ -13,11 +13,14 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
 from kvray import Pool
 from kvray.backends.base import KeyStatus
 from kvray.block_index import DRAM, GONE, REMOVED, BlockIndex, space_digests
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
+from kvray.naming import ssd_name
+from kvray.remote import StoreHandle
 
 from .conftest import small_config, ssd_pool_config
 
@@ -112,21 +115,54 @@ def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
         pool.shutdown()
 
 
-def test_ssd_blocks_carry_their_node_slots_bit(ray_cluster, tmp_path):
-    cfg = ssd_pool_config(tmp_path, "ixssd", lookup_index=True)
+def ssd_bit(pool: Pool, index: BlockIndex) -> int:
+    """The bit of this node's slot 0 SSD tier, once the manager's stream named it."""
+    t0 = time.monotonic()
+    while not (bit := index.place_bit(pool._h.node_id, 0)):
+        assert time.monotonic() - t0 < 20, "the SSD place never reached the index"
+        time.sleep(0.01)
+    return bit
+
+
+def test_ssd_blocks_carry_their_slots_bit_leave_it_when_evicted_and_return_at_restart(
+    ray_cluster, tmp_path
+):
+    """The SSD tier's blocks carry its node slot's bit; its quota's evictions take the
+    bit away (the DRAM copy stays); a new pool on the same disk announces what the tier
+    still holds, so those blocks are hits again with DRAM empty."""
+    cfg = ssd_pool_config(tmp_path, "ixssd", lookup_index=True, ssd={"quota": "1MB"})
     space = KeySpace("ixssd", LAYOUT)
-    hashes = chain_block_hashes(list(range(16 * 4)), 16)
+    hashes = chain_block_hashes(list(range(16 * 400)), 16)  # 400 blocks of 4 KiB: > 1 MB
+    d = space_digests(space, hashes).ravel()
+    block = [np.ones(4096, np.uint8)]
     with Pool.start(cfg) as pool:
         index = mapped(pool)
         try:
-            pool.put(space.rank_key_strs(hashes, 0), [np.ones(4096, np.uint8)] * 4)
-            bit = 0
-            t0 = time.monotonic()
-            while not bit:
-                bit = index.place_bit(pool._h.node_id, 0)
-                assert time.monotonic() - t0 < 20, "the SSD place never reached the index"
-                time.sleep(0.01)
-            until(index, space_digests(space, hashes).ravel(), [DRAM | bit] * 4)
+            keys = space.rank_key_strs(hashes, 0)
+            pool.put(keys[:4], block * 4)
+            bit = ssd_bit(pool, index)
+            until(index, d[:4], [DRAM | bit] * 4)
+            for i in range(4, 400, 50):
+                pool.put(keys[i : i + 50], block * len(keys[i : i + 50]))
+            shows(index, d[:4], [DRAM] * 4)  # evicted from SSD as the quota filled
+            tail = index.tiers(d[-50:]).tolist()
+            assert tail == [DRAM | bit] * 50, tail
+            # Exactly what the SSD tier holds (its writes run in parallel threads, so not
+            # exactly the oldest went first).
+            held = [i for i, v in enumerate(index.tiers(d).tolist()) if v & bit]
+            actor = ray.get_actor(ssd_name(cfg.name, pool._h.node_id, 0), namespace=cfg.namespace)
+            on_disk = StoreHandle(actor, "ssd").exists(keys).result(30)
+            assert held == [i for i, there in enumerate(on_disk) if there]
+            assert 100 < len(held) < 400
+        finally:
+            index.close()
+        pool.shutdown()
+    with Pool.start(cfg) as pool:  # DRAM is empty: only the SSD tier's announcement
+        index = mapped(pool)
+        try:
+            bit = ssd_bit(pool, index)
+            until(index, d[held], [bit] * len(held))
+            shows(index, d[:4], [0] * 4)
         finally:
             index.close()
         pool.shutdown()

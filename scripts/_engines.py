@@ -56,18 +56,22 @@ class Engine(LiveEngine):
 
 
 def start_bench_pool(
-    segment: str = "4GB", local_buffer: str = "256MB", master: dict[str, Any] | None = None
+    segment: str = "4GB",
+    local_buffer: str = "256MB",
+    master: dict[str, Any] | None = None,
+    *,
+    lookup_index: bool = False,
 ) -> tuple[Any, str]:
     """A local loopback Ray and a kvray pool ``bench`` (embedded master, one client per
-    node, the default config otherwise: block checksums on); returns the pool and the Ray
-    address engines join."""
+    node, the default config otherwise: block checksums on; ``lookup_index``: lookups from
+    the node's block index); returns the pool and the Ray address engines join."""
     import ray
 
     from kvray.ray_env import ray_init
 
     print("== starting Ray (loopback) and a kvray pool with its embedded master", file=sys.stderr)
     ray_init("local", num_cpus=4)
-    pool = bench_pool("bench", segment, local_buffer, master)
+    pool = bench_pool("bench", segment, local_buffer, master, lookup_index=lookup_index)
     return pool, ray.get_runtime_context().gcs_address
 
 

@@ -20,6 +20,7 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 medians over reps, next to the local prefix cache's TTFT and kvray's excess over it.
 
     .venv/bin/python scripts/ttft_breakdown.py --json bench-results/ttft_breakdown.json
+    .venv/bin/python scripts/ttft_breakdown.py --lookup-index --lengths 1024 --reps 10
     .venv/bin/python scripts/ttft_breakdown.py --smoke --json /tmp/ttft_breakdown.json
 """
 
@@ -77,6 +78,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--placement", choices=("shared", "staged"), default="shared")
     parser.add_argument(
+        "--lookup-index",
+        action="store_true",
+        help="the pool answers lookups from the node's block index (lookup_index: true)",
+    )
+    parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
@@ -95,7 +101,7 @@ def main() -> int:
 
     log(f"== building the model in {args.model_dir}")
     model = str(build_prefill_bound_llama(args.model_dir))
-    pool, ray_address = start_bench_pool()
+    pool, ray_address = start_bench_pool(lookup_index=args.lookup_index)
     tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
     env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}
@@ -193,6 +199,7 @@ def main() -> int:
         meta = run_meta(
             reps=args.reps,
             placement=args.placement,
+            **({"lookup_index": True} if args.lookup_index else {}),
             order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
         )
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -313,6 +313,19 @@ class BlockIndex:
         pos = self._probe(d)
         return np.where(pos >= 0, self._vals[np.maximum(pos, 0)], 0).astype(np.uint32)
 
+    def lookup(
+        self, space: KeySpace, hashes: Sequence[bytes], masks: np.ndarray
+    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """A scheduler's lookup: ``(leading hits, tier masks, held)`` of ``hashes`` for
+        every column of ``space`` (``(columns, blocks)`` arrays); a key is held where its
+        mask meets its column's ``masks`` entry (the tiers its worker loads from)."""
+        n = len(hashes)
+        vals = self.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, n)
+        held = (vals & masks[:, None]) != 0
+        everywhere = held.all(axis=0)
+        hits = n if everywhere.all() else int(np.argmin(everywhere))
+        return hits, vals, held
+
     # ---- writing (the index keeper only) ---------------------------------------------
 
     def _begin(self) -> None:

@@ -23,7 +23,8 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
   ``2 x --layers`` pieces laid out as vLLM's per-layer KV tensors hold them, the
   connector's real transfers (``kvray multi`` sends the very ``TransferBatch`` the
   connector's worker sends to the rank's actor; raw: the multi-buffer batch calls);
-- prefix lookup latency of ``blocks`` hashes through the Lookup actor, next to the Ray
+- prefix lookup latency of ``blocks`` hashes through the Lookup actor, and read from the
+  node's block index as a scheduler with ``lookup_index`` reads it, next to the Ray
   call floor and the same exists query in-process.
 
 kvray is compared with the stronger raw path of the same shape. Every rep is in the JSON.
@@ -61,6 +62,7 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 from kvray.backends.base import KeyStatus  # noqa: E402
+from kvray.block_index import DRAM, BlockIndex  # noqa: E402
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
 from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
@@ -78,6 +80,42 @@ def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def index_lookup_ms(
+    pool_cfg: dict[str, object], space: KeySpace, hashes: list[bytes], reps: int
+) -> list[float]:
+    """A lookup of ``hashes`` as a scheduler makes it with ``lookup_index``: its own
+    mapping of the node's block index (a second, small pool with the index on, the blocks
+    stored there), digests and probes in this process, no call. Sorted ms."""
+    from kvray import Pool, PoolConfig
+
+    small = "128MB"
+    cfg = {**pool_cfg, "name": "bench-ix", "lookup_index": True}
+    if "mooncake" in cfg:
+        cfg["mooncake"] = {"global_segment_size": small, "local_buffer_size": "16MB"}
+    else:
+        cfg["datasystem"] = {"shared_memory_size": small}
+    ix = Pool.start(PoolConfig.from_dict(cfg, environ={}))
+    try:
+        ix.put([space.key(h) for h in hashes], [np.zeros(64, np.uint8)] * len(hashes))
+        spec = ix._h.lookup().index_spec().result(60)
+        assert spec is not None, "a pool with lookup_index offers no index"
+        index = BlockIndex.attach(spec)
+        try:
+            masks = np.full(space.columns, DRAM, np.uint32)
+            hits, _, _ = index.lookup(space, hashes, masks)
+            assert hits == len(hashes), f"the index shows {hits} of {len(hashes)} blocks"
+            lat = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                index.lookup(space, hashes, masks)
+                lat.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            index.close()
+    finally:
+        ix.shutdown()
+    return sorted(lat)
 
 
 def lookup_space() -> KeySpace:
@@ -479,6 +517,8 @@ def main() -> int:
         raw_exists = raw_exists_ms(
             backend, pool.server_address, space.rank_key_strs(hashes, 0), args.lookup_reps
         )
+        log("   the node's block index, as a scheduler reads it (a pool with lookup_index)")
+        index_lat = index_lookup_ms(pool_cfg, space, hashes, args.lookup_reps)
     finally:
         ck.shutdown()
         pool.shutdown()
@@ -543,11 +583,14 @@ def main() -> int:
         # same exists query in-process without Ray.
         "ray_call_floor_p50": statistics.median(floor),
         "raw_exists_p50": raw_exists,
+        "index_p50": statistics.median(index_lat),
+        "index_p99": index_lat[min(len(index_lat) - 1, int(0.99 * len(index_lat)))],
     }
     print(f"\nprefix lookup of {blocks} blocks (ms){'p50':>8}{'p99':>8}")
     print(f"{'kvray Pool.lookup (Ray call)':<29}{lk['p50']:>8.2f}{lk['p99']:>8.2f}")
     print(f"{'  of which Ray call floor':<29}{lk['ray_call_floor_p50']:>8.2f}")
     print(f"{'raw exists query in-process':<29}{lk['raw_exists_p50']:>8.2f}")
+    print(f"{'node index (lookup_index)':<29}{lk['index_p50']:>8.2f}{lk['index_p99']:>8.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         results = {

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvray.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex, space_digests
+from kvray.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex
 from kvray.errors import KVRayError
 from kvray.index_stream import INDEX_STALE_S
 from kvray.lookup import Answer, Place, ssd_places
@@ -132,16 +132,13 @@ class Lookups:
             self._stats.add("index_stale")
             return None
         space, n = self._space, len(hashes)
-        vals = index.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, n)
         masks = np.empty(space.columns, dtype=np.uint32)
         places = ssd_places(space.world_size, placement, self._node_id)
         for c in range(space.columns):
             place: Place | None = places[c // space.layer_groups]
             ssd = index.place_bit(place.node_id, place.slot) if place is not None else 0
             masks[c] = DRAM | ssd
-        held = (vals & masks[:, None]) != 0
-        everywhere = held.all(axis=0)
-        hits = n if everywhere.all() else int(np.argmin(everywhere))
+        hits, vals, held = index.lookup(space, hashes, masks)
         self._stats.add("index_hits" if hits else "index_misses")
         if hits == n:
             return Answer(hits)

@@ -87,9 +87,15 @@ def tiny_model(tmp_path_factory):
 
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
-    one worker), and so is the multi-node harness (one two-node cluster for its tests)."""
+    one worker), and so is the multi-node harness (one two-node cluster for its tests), and
+    so are the MemCache modules (MemCache allows one MetaService per host: two workers'
+    tests each starting one failed)."""
     path = nodeid.split("::")[0]
-    return "tests/multinode/" if path.startswith("tests/multinode/") else path
+    if path.startswith("tests/multinode/"):
+        return "tests/multinode/"
+    if path.startswith("tests/integration/test_memcache"):
+        return "tests/integration/test_memcache"
+    return path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -8,6 +8,7 @@ leave nothing behind.
 from __future__ import annotations
 
 import itertools
+import os
 import tempfile
 
 import psutil
@@ -70,7 +71,11 @@ def ds_worker2(ds_worker):
 
 
 def pool_name(prefix: str = "t") -> str:
-    return f"{prefix}{next(_names)}"
+    """A pool name of this test worker alone: each xdist worker has its own Ray cluster,
+    but they share a kernel, and checks of what a pool left behind (its regions in
+    ``/proc/*/maps``) go by the pool's name (two workers' ``t8`` once failed one)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return f"{prefix}{worker}-{next(_names)}" if worker else f"{prefix}{next(_names)}"
 
 
 def small_config(master_address: str | None, **overrides):

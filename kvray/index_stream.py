@@ -10,8 +10,10 @@ done), then to the manager (one report in flight; what arrives meanwhile goes in
 next). The manager's :class:`IndexHub` applies them to its own copy of the index and
 appends them to a bounded log. Each node's keeper asks for the changes after the last
 one it applied, and the hub answers as soon as there are any (a long poll), so a store
-reaches the schedulers of the other nodes within two actor calls. A keeper skips the
-changes of its own node's clients there: it has them already.
+reaches the schedulers of the other nodes within two actor calls. A keeper applies its own
+node's changes again when they come from the hub: a snapshot taken before the hub had one
+would otherwise erase it for good. (Until the stream catches up, an entry can be briefly
+older than the node's latest change: the index is advisory, a stale hit a failed load.)
 
 A keeper whose position the log no longer reaches (it fell behind, or the hub is a new
 one after a manager restart: another ``epoch``) gets a snapshot instead: the hub's whole
@@ -128,8 +130,8 @@ class IndexHub:
 
 
 class IndexKeeper:
-    """A node's side: the index the node's schedulers read, kept to the hub's updates and
-    to its own node's clients' changes (:meth:`apply_local`)."""
+    """A node's side: the index the node's schedulers read, kept to the hub's updates and,
+    first, to its own node's clients' changes (:meth:`apply_local`)."""
 
     def __init__(self, index: BlockIndex, node_id: str = "") -> None:
         self.index = index
@@ -164,9 +166,8 @@ class IndexKeeper:
             # New places since: registered in the hub's order, so the bits are the hub's.
             for node_id, slot in update.places[len(self.index.places()) :]:
                 self.index.place_bit(node_id, slot)
-            for op, bits, raw, origin in update.changes:
-                if origin != self.node_id or not origin:  # ours: applied as they came
-                    apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
+            for op, bits, raw, _origin in update.changes:
+                apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
         if self._waiting:
             self._flush_waiting()
         self.epoch, self.seq = update.epoch, update.seq

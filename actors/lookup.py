@@ -47,7 +47,7 @@ class LookupActor:
         (``lookup_index``)."""
         if config.lookup_index:
             index = BlockIndex.create(config.lookup_index_blocks)
-            self._keeper = IndexKeeper(index, self._node_id)
+            self._keeper = IndexKeeper(index)
         self._index_task: asyncio.Task[None] | None = None
 
     def _ensure_follower(self) -> None:

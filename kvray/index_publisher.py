@@ -48,8 +48,8 @@ class IndexPublisher:
         took or let go (``op``)."""
         digests = key_digests(keys).astype("<u8").tobytes()
         if slot is None:
-            return IndexChange(op, digests, origin=self.node_id)
-        return IndexChange(op, digests, self.node_id, slot, self.node_id)
+            return IndexChange(op, digests)
+        return IndexChange(op, digests, self.node_id, slot)
 
     async def run(self) -> None:
         """Send what was published to the manager's hub: one report in flight, what comes

@@ -57,8 +57,6 @@ class IndexChange:
     digests: bytes
     node_id: str = ""
     slot: int = -1
-    origin: str = ""
-    """The node of the client that reports it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +67,8 @@ class IndexUpdate:
     epoch: str
     seq: int
     places: list[tuple[str, int]]
-    changes: list[tuple[int, int, bytes, str]]
-    """``(op, tier bits, digests, origin node)``."""
+    changes: list[tuple[int, int, bytes]]
+    """``(op, tier bits, digests)``."""
     snapshot: tuple[bytes, bytes] | None = None
 
 
@@ -80,7 +78,7 @@ class IndexHub:
     def __init__(self, capacity: int, log_digests: int = DEFAULT_LOG_DIGESTS) -> None:
         self.epoch = uuid.uuid4().hex[:12]
         self.index = BlockIndex.create(capacity, prefix="kvray-index-hub")
-        self._log: deque[tuple[int, int, bytes, str]] = deque()
+        self._log: deque[tuple[int, int, bytes]] = deque()
         self._base = 0
         """The position of ``_log[0]``."""
         self._logged = 0
@@ -98,10 +96,10 @@ class IndexHub:
                 continue
             d = np.frombuffer(c.digests, dtype="<u8")
             apply(self.index, c.op, bits, d)
-            self._log.append((c.op, bits, c.digests, c.origin))
+            self._log.append((c.op, bits, c.digests))
             self._logged += len(d)
         while self._logged > self._log_digests and len(self._log) > 1:
-            _, _, gone, _ = self._log.popleft()
+            _, _, gone = self._log.popleft()
             self._logged -= len(gone) // 8
             self._base += 1
         if self._changed is not None:
@@ -133,9 +131,8 @@ class IndexKeeper:
     """A node's side: the index the node's schedulers read, kept to the hub's updates and,
     first, to its own node's clients' changes (:meth:`apply_local`)."""
 
-    def __init__(self, index: BlockIndex, node_id: str = "") -> None:
+    def __init__(self, index: BlockIndex) -> None:
         self.index = index
-        self.node_id = node_id
         self.epoch = ""
         self.seq = 0
         self.snapshots = 0
@@ -166,7 +163,7 @@ class IndexKeeper:
             # New places since: registered in the hub's order, so the bits are the hub's.
             for node_id, slot in update.places[len(self.index.places()) :]:
                 self.index.place_bit(node_id, slot)
-            for op, bits, raw, _origin in update.changes:
+            for op, bits, raw in update.changes:
                 apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
         if self._waiting:
             self._flush_waiting()

@@ -230,37 +230,39 @@ def main() -> int:
     return 0
 
 
+def print_paired(rows: list[dict[str, Any]], key: str, title: str, show: Any, note: str) -> None:
+    """One paired comparison per row (``row[key]``: a median over reps and its 95 %
+    bootstrap interval), each value shown by ``show``."""
+    print(f"\n{'input':>6} {'hit':>5} {title:>17} {'95% CI':>17} {'pairs':>6}")
+    for r in rows:
+        c = r[key]
+        lo, hi = c["ci95"]
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {show(c['median']):>17} "
+            f"{'[' + show(lo) + ', ' + show(hi) + ']':>17} {c['pairs']:>6}"
+        )
+    print(note)
+
+
 def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
     """What block checksums add to TTFT: per row, the median of the per-rep ratios kvray
     (checksums on, the default) / no-cksum (the same engine config on a pool without),
     with its 95 % bootstrap interval."""
-    print(f"\n{'input':>6} {'hit':>5} {'checksum cost':>14} {'95% CI':>17} {'pairs':>6}")
-    for r in rows:
-        c = r["checksum_cost"]
-        lo, hi = c["ci95"]
-        print(
-            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {pct(c['median']):>14} "
-            f"{'[' + pct(lo) + ', ' + pct(hi) + ']':>17} {c['pairs']:>6}"
-        )
-    print(
+    print_paired(
+        rows, "checksum_cost", "checksum cost", pct,
         "checksum cost = median over reps of TTFT(kvray) / TTFT(no-cksum) - 1 (paired: the "
-        "reps ran interleaved); 0 % hit rows: the save side"
-    )
+        "reps ran interleaved); 0 % hit rows: the save side",
+    )  # fmt: skip
 
 
 def print_index_gain(rows: list[dict[str, Any]]) -> None:
     """What answering lookups from the node's index changes: per row, the median of the
     per-rep differences index - kvray (the same engine config; kvray asks the Lookup
     actor), with its 95 % bootstrap interval."""
-    print(f"\n{'input':>6} {'hit':>5} {'index - kvray ms':>17} {'95% CI':>17} {'pairs':>6}")
-    for r in rows:
-        d = r["index_minus_kvray_ms"]
-        lo, hi = d["ci95"]
-        print(
-            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {d['median']:>17.2f} "
-            f"{f'[{lo:.2f}, {hi:.2f}]':>17} {d['pairs']:>6}"
-        )
-    print("index - kvray = median over reps of TTFT(index) - TTFT(kvray), paired (interleaved)")
+    print_paired(
+        rows, "index_minus_kvray_ms", "index - kvray ms", lambda v: f"{v:.2f}",
+        "index - kvray = median over reps of TTFT(index) - TTFT(kvray), paired (interleaved)",
+    )  # fmt: skip
 
 
 def check_cached(name: str, cached: int, prefix_len: int, length: int) -> None:

@@ -91,10 +91,9 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     the same changes from the hub are applied again, so a snapshot taken before the hub had
     them (it replaces everything) does not lose them (seen: a DRAM store lost for good)."""
     hub = IndexHub(4096)
-    keeper = IndexKeeper(BlockIndex.create(4096), "node-a")
+    keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(10)
     ours = [change(ADD, k[:5]), change(ADD, k[:5], "node-a", 0)]
-    ours = [IndexChange(c.op, c.digests, c.node_id, c.slot, "node-a") for c in ours]
     keeper.apply_local(ours)
     assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM] * 5
     # The keeper's first update: a snapshot of the hub from before it got our changes.
@@ -107,7 +106,7 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM | ssd] * 5
     same(hub, keeper, k)
     # A remove made here and sent to the hub: the same end state either way.
-    gone = IndexChange(REMOVE, key_digests(k[:1]).astype("<u8").tobytes(), origin="node-a")
+    gone = IndexChange(REMOVE, key_digests(k[:1]).astype("<u8").tobytes())
     keeper.apply_local([gone])
     hub.record([gone])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))

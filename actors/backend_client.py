@@ -14,6 +14,7 @@ import ray
 
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
+from kvray.channel import ChannelServer
 from kvray.config import PoolConfig
 from kvray.index_publisher import IndexPublisher
 from kvray.keys import probe_hash
@@ -50,6 +51,8 @@ class BackendClientActor:
         self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config
         self._background: list[asyncio.Task[None]] = []
+        self._channel: ChannelServer | None = None
+        """The node channel workers send their transfers over (:mod:`kvray.channel`)."""
         self._index: IndexPublisher | None = None
         """Changes to the pool's block indexes (``lookup_index``)."""
         if config.lookup_index:
@@ -97,6 +100,19 @@ class BackendClientActor:
             "node_id": self._node_id,
         }
 
+    async def channel(self) -> str:
+        """The node channel's address; it listens from the first call on."""
+        self._ensure_background()
+        if self._channel is None:
+            name = f"{self._config.name}-client{self._store.rank}"
+            self._channel = ChannelServer(
+                name, {"get": self.get, "put": self.put, "ping": self._ping}
+            )
+        return await self._channel.start()
+
+    async def _ping(self) -> None:
+        """A round trip with nothing to do (scripts/bench_channel.py)."""
+
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
         self._ensure_background()
         keys: IndexKeys | None = [] if self._index is not None else None
@@ -135,6 +151,8 @@ class BackendClientActor:
         return self._store.snapshot()
 
     async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         for task in self._background:
             task.cancel()
         await self._store.close()

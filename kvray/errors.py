@@ -79,6 +79,10 @@ class _KeysError(BackendError):
         self.failed = dict(failed)
         self.stored = list(stored)
 
+    def __reduce__(self) -> tuple[type[_KeysError], tuple[str, dict[str, str], list[str]]]:
+        # Pickled whole (the node channel sends errors so): the keys are not only text.
+        return (type(self), (str(self), self.failed, self.stored))
+
 
 class PoolFullError(_KeysError):
     """The pool had no space for some keys of a batch; those keys are absent.

@@ -21,6 +21,7 @@ actor handles they hold.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -117,6 +118,16 @@ class Call(Generic[T]):
         """Ask Ray to drop the call (an async actor method is cancelled, the answer lost)."""
         ray.cancel(self.ref)
 
+    @property
+    def carrier(self) -> object:
+        """What carries the call: Ray (None), or a node channel (:mod:`kvray.channel`)."""
+        return None
+
+    def block(self, timeout_s: float | None) -> None:
+        """Wait up to ``timeout_s`` for this call (another of its carrier's may answer
+        first)."""
+        ray.wait([self.ref], timeout=timeout_s)
+
 
 def connected() -> bool:
     """This process is connected to a Ray cluster (False before ``ray.init`` and once
@@ -129,6 +140,8 @@ def ready(calls: Sequence[Call[Any]], timeout_s: float = 0, *, every: bool = Fal
     with ``every``, for all) of them."""
     if not calls:
         return []
+    if any(c.ref is None for c in calls):
+        return _ready_carried(calls, timeout_s, every)
     refs = [c.ref for c in calls]
     done, _ = ray.wait(refs, num_returns=len(refs) if every else 1, timeout=timeout_s)
     if not every and done and len(refs) > 1:  # which others answered by now, no waiting
@@ -137,12 +150,41 @@ def ready(calls: Sequence[Call[Any]], timeout_s: float = 0, *, every: bool = Fal
     return [r in got for r in refs]
 
 
+def _done(calls: Sequence[Call[Any]]) -> list[bool]:
+    refs = [c.ref for c in calls if c.ref is not None]
+    got = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    return [c.done() if c.ref is None else c.ref in got for c in calls]
+
+
+def _ready_carried(calls: Sequence[Call[Any]], timeout_s: float, every: bool) -> list[bool]:
+    """:func:`ready` where some calls go over a node channel: one carrier is waited on in
+    the kernel; calls of several carriers (a channel and Ray while it re-attaches) are
+    polled every millisecond."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = _done(calls)
+        if all(done) if every else any(done):
+            return done
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return done
+        waiting = [c for c, d in zip(calls, done, strict=True) if not d]
+        one_carrier = len({id(c.carrier) for c in waiting}) == 1
+        waiting[0].block(left if one_carrier else min(left, 0.001))
+
+
 def results(
     calls: Sequence[Call[T]], timeout_s: float | None, setting: str | None = None
 ) -> list[T]:
     """Block for the answers of ``calls`` together (one deadline for all)."""
     if not calls:
         return []
+    if any(c.ref is None for c in calls):
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        return [
+            c.result(None if end is None else max(0.0, end - time.monotonic()), setting)
+            for c in calls
+        ]
     try:
         values: list[T] = ray.get([c.ref for c in calls], timeout=timeout_s)
     except _RAY_FAILURES as exc:
@@ -205,6 +247,11 @@ class StoreHandle(Handle):
 
     def probe(self) -> Call[dict[str, Any]]:
         return self._call("probe")
+
+    def channel(self) -> Call[str]:
+        """The address of the actor's node channel (:mod:`kvray.channel`), listening
+        from this call on."""
+        return self._call("channel")
 
     def snapshot(self) -> Call[dict[str, Any]]:
         return self._call("snapshot")

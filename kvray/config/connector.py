@@ -88,6 +88,12 @@ class ConnectorConfig(_Strict):
     """Staging region per worker (``staged``): bytes or ``"256MB"``. Default: room for
     two of the engine's largest steps (``max_num_batched_tokens`` worth of blocks each).
     A transfer larger than staging is split, never refused."""
+    transfer_channel: Literal["node", "ray"] = "node"
+    """How a worker sends its transfers (descriptors only: the bytes move through
+    registered memory) to its node's BackendClient. ``node``: a Unix socket on the node,
+    set up through Ray at registration, a step's calls in one message (tens of
+    microseconds); Ray while it is down, re-attached in the background. ``ray``: every
+    transfer is a Ray actor call (1-2 ms each)."""
     use_layerwise: bool = False
     """Layer-wise transfers (AscendStoreConnector's and UCM's key): a step's pool hits
     load group by group of layers, each group waited for only before its first layer

@@ -12,12 +12,26 @@ Ray. Nothing here raises Ray's errors: a failed or late call is a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvray import remote
 from kvray.remote import Call
 
+if TYPE_CHECKING:
+    from kvray.backends.base import KeyStatus
+    from kvray.transfer import TransferBatch
+
 T = TypeVar("T")
+
+
+class Transfers(Protocol):
+    """Where a worker's loads and saves go: its BackendClient's
+    :class:`~kvray.remote.StoreHandle` (Ray) or a :class:`~kvray.channel.ChannelStore`
+    (the node channel)."""
+
+    def get(self, batch: TransferBatch) -> Call[list[KeyStatus]]: ...
+
+    def put(self, batch: TransferBatch, overwrite: bool = False) -> Call[list[KeyStatus]]: ...
 
 
 class Waits(Protocol):

@@ -26,12 +26,12 @@ from kvray.backends.base import KeyStatus
 from kvray.errors import KVRayError
 
 if TYPE_CHECKING:
-    from kvray.connector.calls import Waits
+    from kvray.connector.calls import Transfers, Waits
     from kvray.connector.metadata import BlockOp
     from kvray.connector.region import KVRegion
     from kvray.connector.slots import StagingSlots
     from kvray.connector.stats import KVRayConnectorStats
-    from kvray.remote import Call, StoreHandle
+    from kvray.remote import Call
     from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Saver:
 
     def __init__(
         self,
-        store: StoreHandle,
+        store: Transfers,
         waits: Waits,
         region: KVRegion,
         slots: StagingSlots | None,

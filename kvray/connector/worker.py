@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvray.channel import ChannelStore
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.loads import Loader
@@ -38,6 +39,7 @@ from kvray.lookup import Place
 from kvray.naming import region_prefix
 
 if TYPE_CHECKING:
+    from kvray.connector.calls import Transfers
     from kvray.connector.kv_geometry import KVEntry
     from kvray.launcher import PoolHandles
     from kvray.remote import Call, StoreHandle
@@ -80,6 +82,8 @@ class KVRayWorker:
         """Instance rank -> this worker's node and slot (it loads that rank's keys)."""
         self._allocator: SharedKVAllocator | None = None
         self._region: KVRegion | None = None
+        self._channel: ChannelStore | None = None
+        """The node channel to this worker's BackendClient (``transfer_channel: node``)."""
         self._loads: Loader | None = None
         self._saves: Saver | None = None
         """Both set by ``register_kv_caches``."""
@@ -152,12 +156,14 @@ class KVRayWorker:
         store.map_region(region.spec).result(600)
         self._start_transfers(store, region)
         logger.info(
-            "KVRayConnector worker rank %d: %d layers, %d bytes per block, %s placement, region %s",
+            "KVRayConnector worker rank %d: %d layers, %d bytes per block, %s placement, "
+            "region %s, transfers over %s",
             self.rank,
             region.num_layers,
             region.row_bytes,
             placement,
             region.spec.region_id,
+            "the node channel" if self._channel and self._channel.attached else "Ray calls",
         )
 
     def handshake(self) -> KVRayHandshake | None:
@@ -166,7 +172,12 @@ class KVRayWorker:
             return None
         return KVRayHandshake(dict(self.geometries), dict(self.places))
 
-    def _start_transfers(self, store: StoreHandle, region: KVRegion) -> None:
+    def _start_transfers(self, handle: StoreHandle, region: KVRegion) -> None:
+        store: Transfers = handle
+        if self.info.config.transfer_channel == "node":
+            self._channel = ChannelStore(handle, self._call_timeout_s)
+            self._channel.attach()
+            store = self._channel
         slots = None
         if region.stager is not None:
             slots = StagingSlots(
@@ -219,6 +230,7 @@ class KVRayWorker:
                 if self._meta is not None:
                     self._loads.start(self._meta.loads, self._meta.async_loads)
         finally:
+            self._flush()
             # Sync loads hold the forward back; async ones only cost their submission.
             waited = bool(self._meta and self._meta.loads)
             self._clock.loaded(time.perf_counter() - t0, waited=waited)
@@ -231,6 +243,12 @@ class KVRayWorker:
     def save_kv_layer(self, layer_name: str) -> None:
         if self._saves is not None:
             self._saves.save_layer(layer_name)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send what the hook queued on the node channel: one message."""
+        if self._channel is not None:
+            self._channel.flush()
 
     def wait_for_save(self) -> None:
         t0 = time.perf_counter()
@@ -239,6 +257,7 @@ class KVRayWorker:
                 self._loads.finish_layerwise()
                 self._saves.save_step()
         finally:
+            self._flush()
             self._clock.saving(t0, time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -246,6 +265,7 @@ class KVRayWorker:
         if loads is not None and saves is not None:
             loads.finish_layerwise()
             saves.end_layerwise()
+            self._flush()
             saves.reap(block=False)
         sending = {rid for rid in self._finishing if saves is None or not saves.saving(rid)}
         self._finishing -= sending
@@ -272,6 +292,8 @@ class KVRayWorker:
         self._close_memory()
 
     def _close_memory(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
         if self._allocator is not None:
             self._allocator.close()
         if self._region is not None:

@@ -112,13 +112,18 @@ def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, r
 def test_async_engine_loads_what_another_engine_stored(
     pool, engines, reference, tiny_model, request, placement
 ):
-    """Another engine process, with async loads, hits what the first one saved."""
+    """Another engine process, with async loads and its transfers as Ray calls (the
+    fallback path), hits what the first one saved over its node channel."""
     p1, _, _ = prompt_set(request)
-    engines.get(spec(tiny_model, placement)).generate([p1])
-    out = engines.get(spec(tiny_model, placement, load_async=True)).generate([p1])
+    first = engines.get(spec(tiny_model, placement))
+    first.generate([p1])
+    ray_path = engines.get(spec(tiny_model, placement, **ASYNC))
+    out = ray_path.generate([p1])
     assert out["outputs"] == reference([p1])
     (line,) = out["lines"]
     pool_hit(line, 4)
+    assert "transfers over the node channel" in first.log(), first.log()[-3000:]
+    assert "transfers over Ray calls" in ray_path.log(), ray_path.log()[-3000:]
 
 
 def stored_then_dropped(engines, tiny_model, placement, prompt, **load):  # type: ignore[no-untyped-def]
@@ -129,12 +134,18 @@ def stored_then_dropped(engines, tiny_model, placement, prompt, **load):  # type
     return engines.get(spec(tiny_model, placement, **load)).generate([prompt], drop=True)
 
 
+ASYNC = {"load_async": True, "transfer_channel": "ray"}
+"""The async-load engine's options: its transfers go as Ray calls (the fallback path is
+tested on its own; the other engines use the node channel)."""
+
+
 @pytest.mark.parametrize("load_async", [False, True])
 def test_failed_load_recomputes(
     pool, engines, reference, tiny_model, request, load_async, placement
 ):
     _, _, p3 = prompt_set(request)
-    out = stored_then_dropped(engines, tiny_model, placement, p3, load_async=load_async)
+    load = ASYNC if load_async else {"load_async": False}
+    out = stored_then_dropped(engines, tiny_model, placement, p3, **load)
     assert out["outputs"] == reference([p3])
     (line,) = out["lines"]
     # Async: the failed request goes through lookup again (now a miss), is recomputed,

@@ -109,6 +109,70 @@ def test_full_pool_stores_whole_blocks_or_nothing(ray_cluster):
         pool.shutdown()
 
 
+def test_node_channel_of_a_killed_client_fails_its_calls_then_reattaches(
+    ray_cluster, mooncake_master
+):
+    """A worker's node channel (kvray.channel): the BackendClient SIGKILLed with a get in
+    flight (the actor stopped first, so the call cannot have answered) fails that get at
+    once, not at its timeout; transfers go through Ray meanwhile, and the channel
+    re-attaches to the restarted actor and moves bytes again."""
+    import contextlib
+    import time
+
+    from kvray.backends.base import KeyStatus
+    from kvray.channel import ChannelStore
+    from kvray.remote import CallTimeoutError
+    from kvray.transfer import TransferBatch
+
+    cfg = small_config(mooncake_master.address, world_size=1)
+    pool = Pool.start(cfg)
+    store = None
+    try:
+        handle = pool._h.client(0)
+        n, size = 4, 4096
+        src = pool.empty(n * size, np.uint8)
+        src[:] = np.random.default_rng(1).integers(0, 256, n * size, dtype=np.uint8)
+        out = pool.empty(n * size, np.uint8)
+        keys = [f"{cfg.name}-ch{i}" for i in range(n)]
+
+        def batch(view: np.ndarray) -> TransferBatch:
+            region, base = pool._region_of(view)
+            spec = region.spec
+            return TransferBatch.contiguous(spec, keys, [base + i * size for i in range(n)],
+                                            [size] * n)  # fmt: skip
+
+        store = ChannelStore(handle, cfg.call_timeout_s)
+        store.attach()
+        assert store.attached
+        assert store.put(batch(src), True).result(30) == [KeyStatus.OK] * n
+        proc = psutil.Process(handle.probe().result(30)["pid"])
+        proc.suspend()
+        in_flight = store.get(batch(out))
+        store.flush()
+        proc.kill()
+        proc.wait(timeout=30)
+        with pytest.raises(BackendUnavailableError, match="closed by the actor") as err:
+            in_flight.result(cfg.call_timeout_s)
+        assert not isinstance(err.value, CallTimeoutError)
+
+        deadline = time.monotonic() + 60
+        while not store.attached and time.monotonic() < deadline:
+            with contextlib.suppress(BackendUnavailableError):  # Ray's path meanwhile
+                store.put(batch(src), True).result(cfg.call_timeout_s)
+            time.sleep(0.1)
+        assert store.attached and store.ray_calls >= 1
+        frames = store.frames
+        assert store.put(batch(src), True).result(30) == [KeyStatus.OK] * n
+        assert store.get(batch(out)).result(30) == [KeyStatus.OK] * n
+        assert np.array_equal(out, src) and store.frames == frames + 2
+        assert handle.probe().result(30)["pid"] != proc.pid
+    finally:
+        if store is not None:
+            store.close()
+        pool.shutdown()
+    assert_nothing_left(cfg)
+
+
 def test_killed_backend_client_restarts_and_serves(ray_cluster, mooncake_master):
     cfg = small_config(mooncake_master.address, world_size=1)
     pool = Pool.start(cfg)

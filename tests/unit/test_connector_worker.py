@@ -33,7 +33,8 @@ TIMEOUT_S = 7.0
 def _info(placement: str, **extra: object) -> InstanceInfo:
     cfg = validate(
         ConnectorConfig,
-        {"kv_placement": placement, "model_namespace": "unit", **extra},
+        # The fakes are Ray's path (test_channel.py runs the node channel).
+        {"kv_placement": placement, "model_namespace": "unit", "transfer_channel": "ray", **extra},
         source="test",
     )
     groups = cfg.layerwise_groups if cfg.use_layerwise else 1

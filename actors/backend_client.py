@@ -16,7 +16,8 @@ from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
 from kvray.channel import ChannelServer
 from kvray.config import PoolConfig
-from kvray.index_publisher import IndexPublisher
+from kvray.index_publisher import SWEEP_S, EvictionSweep, IndexPublisher
+from kvray.index_stream import ADD, GONE
 from kvray.keys import probe_hash
 from kvray.launcher import ManagerLink, on_this_node
 from kvray.ledger import FLUSH_S
@@ -57,6 +58,7 @@ class BackendClientActor:
         """Changes to the pool's block indexes (``lookup_index``)."""
         if config.lookup_index:
             self._index = IndexPublisher(config, self._node_id, "BackendClient")
+            self._index.sweep = EvictionSweep()
 
     def _ensure_background(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -70,6 +72,7 @@ class BackendClientActor:
             ]
             if self._index is not None:
                 self._background.append(loop.create_task(self._index.run()))
+                self._background.append(loop.create_task(self._sweep_evictions()))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
         return self._store.stats, int(self._store.backend.info().get("segment_bytes") or 0)
@@ -83,8 +86,31 @@ class BackendClientActor:
             if changes:
                 await manager.call(partial(ManagerHandle.ledger_record, changes=changes))
 
+    async def _sweep_evictions(self) -> None:
+        """Reconcile the DRAM keys this client stored with the backend (what it evicted
+        is published gone): kvray.index_publisher.EvictionSweep."""
+        assert self._index is not None and self._index.sweep is not None
+        sweep = self._index.sweep
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            keys = sweep.due()
+            if not keys:
+                continue
+            try:
+                present = await self._tiers.dram.exists(keys)
+            except Exception as exc:  # noqa: BLE001 - retried next pass; loads stay safe
+                logger.warning("eviction sweep of %d keys failed: %s", len(keys), exc)
+                continue
+            gone = sweep.checked(keys, present)
+            if gone:
+                await self._publish([(GONE, False, gone)])
+
     async def _publish(self, keys: IndexKeys | None) -> None:
         if self._index is not None and keys:
+            sweep = self._index.sweep
+            for op, lower, ks in keys:
+                if sweep is not None and not lower:
+                    (sweep.stored if op == ADD else sweep.dropped)(list(ks))
             slot = self._store.rank
             changes = [
                 self._index.changes(op, ks, slot if lower else None) for op, lower, ks in keys

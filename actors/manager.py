@@ -90,7 +90,8 @@ class PoolManagerActor:
                         url,
                         exc,
                     )
-            await asyncio.sleep(metrics.EXPORT_S)
+            # Read every second where the block indexes need its eviction counter.
+            await asyncio.sleep(1.0 if self._index is not None else metrics.EXPORT_S)
 
     async def server_metrics(self) -> dict[str, float]:
         """The embedded server's latest own counters (empty: none, or not read yet)."""
@@ -176,10 +177,15 @@ class PoolManagerActor:
     async def ledger_since(self, seq: int) -> tuple[int, Entries, bool, list[str]]:
         return self._state.ledger_since(seq)
 
-    async def index_record(self, changes: list[IndexChange]) -> None:
-        """A BackendClient's stores and removes per tier, for the nodes' block indexes."""
+    async def index_record(self, changes: list[IndexChange]) -> int | None:
+        """A BackendClient's stores and removes per tier, for the nodes' block indexes;
+        answers the embedded server's eviction counter (the clients reconcile what they
+        stored when it moves; None: not known)."""
+        self._ensure_reconciler()
         if self._index is not None:
             self._index.record(changes)
+        evicted = self._server_metrics.get("master_evicted_key_count")
+        return None if evicted is None else int(evicted)
 
     async def index_since(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate | None:
         """A node's index keeper, long-polling for what came after ``seq``."""

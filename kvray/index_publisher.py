@@ -4,11 +4,20 @@ queues them for the manager's hub, for the other nodes.
 
 Used by the BackendClient (what each tier stored, removed, or a load found gone) and by
 the SSD offload actor (what its quota evicted, and what it holds at start).
+
+The DRAM backends evict without telling anyone, so each BackendClient also reconciles
+what it stored (:class:`EvictionSweep`): when the pool's server reports evictions (the
+Mooncake master's ``evicted_key_count``, read by the manager and returned with each
+report to the hub), or every :data:`SWEEP_S` where no counter is known, it asks the
+backend about its oldest stored keys (at most :data:`SWEEP_MAX` per pass, one batched
+``exists``) and publishes those gone. A block evicted and not yet swept is a stale hit:
+a failed load, recomputed and counted ``gone_at_load``, never wrong bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from functools import partial
@@ -27,6 +36,71 @@ logger = logging.getLogger(__name__)
 
 KEEPER_RETRY_S = 5.0
 """How long a publisher waits before it looks for its node's index keeper again."""
+SWEEP_S = 1.0
+"""How often a BackendClient may reconcile its stored keys with the backend."""
+SWEEP_MAX = 4096
+"""Keys one pass asks about (one batched ``exists``)."""
+SWEEP_BLIND = 512
+"""Keys a pass asks about where the server's eviction counter is unknown (an external
+server the manager does not read)."""
+SWEEP_KEPT = 1 << 18
+"""Stored keys a BackendClient remembers for the sweep (about 100 bytes each); older ones
+are no longer reconciled (a stale hit is still only a failed load)."""
+
+
+class EvictionSweep:
+    """The DRAM keys one BackendClient stored, oldest first, and which of them a pass
+    asks the backend about."""
+
+    def __init__(self, kept: int = SWEEP_KEPT) -> None:
+        self._keys: dict[str, None] = {}
+        self._kept = kept
+        self._evicted: int | None = None
+        """The server's eviction counter at the last pass (None: not known)."""
+        self.seen_evicted: int | None = None
+        """The latest counter the manager reported."""
+        self.swept = 0
+        self.found_gone = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def stored(self, keys: list[str]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+            self._keys[key] = None
+        while len(self._keys) > self._kept:
+            del self._keys[next(iter(self._keys))]
+
+    def dropped(self, keys: list[str]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def due(self) -> list[str]:
+        """The oldest keys to ask about now: as many as the server evicted since the last
+        pass, four times over (it evicts across every client's keys), at least 256 and
+        at most :data:`SWEEP_MAX`; :data:`SWEEP_BLIND` when the counter is unknown; none
+        when it did not move."""
+        now = self.seen_evicted
+        if now is None:
+            n = SWEEP_BLIND
+        else:
+            moved = now - (self._evicted if self._evicted is not None else now)
+            self._evicted = now
+            if moved <= 0:
+                return []
+            n = min(SWEEP_MAX, max(256, 4 * moved))
+        return list(itertools.islice(self._keys, n))
+
+    def checked(self, keys: list[str], present: list[bool]) -> list[str]:
+        """After a pass: the keys gone are forgotten (and returned), the ones still there
+        go to the back, so the next pass asks about others."""
+        gone = [k for k, p in zip(keys, present, strict=True) if not p]
+        self.dropped(keys)
+        self.stored([k for k, p in zip(keys, present, strict=True) if p])
+        self.swept += len(keys)
+        self.found_gone += len(gone)
+        return gone
 
 
 class IndexPublisher:
@@ -42,6 +116,8 @@ class IndexPublisher:
         self._keeper: LookupHandle | None = None
         self._keeper_retry_at = 0.0
         self._warned = False
+        self.sweep: EvictionSweep | None = None
+        """A BackendClient's reconcile of its stored keys (set by it)."""
 
     def changes(self, op: int, keys: list[str], slot: int | None = None) -> IndexChange:
         """``keys`` that the DRAM tier (``slot`` None) or this node's SSD tier of ``slot``
@@ -60,7 +136,9 @@ class IndexPublisher:
             self._hub_ready.clear()
             changes, self._for_hub = self._for_hub, []
             if changes:
-                await manager.call(partial(ManagerHandle.index_record, changes=changes))
+                evicted = await manager.call(partial(ManagerHandle.index_record, changes=changes))
+                if self.sweep is not None and evicted is not None:
+                    self.sweep.seen_evicted = evicted
 
     async def publish(self, changes: list[IndexChange]) -> None:
         """Applied by this node's keeper before this returns (what a scheduler on this node

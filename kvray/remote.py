@@ -332,7 +332,9 @@ class ManagerHandle(Handle):
     def ledger_since(self, seq: int) -> Call[tuple[int, Entries, bool, list[str]]]:
         return self._call("ledger_since", seq)
 
-    def index_record(self, changes: list[IndexChange]) -> Call[None]:
+    def index_record(self, changes: list[IndexChange]) -> Call[int | None]:
+        """Block-index changes for the hub; answers the pool server's eviction counter
+        (None: not known)."""
         return self._call("index_record", changes)
 
     def index_since(self, epoch: str, seq: int, wait_s: float) -> Call[IndexUpdate | None]:

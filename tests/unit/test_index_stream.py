@@ -112,3 +112,28 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     same(hub, keeper, k)
     assert keeper.index.tiers(key_digests(k[:1])).tolist() == [ssd]
+
+
+def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> None:
+    from kvray.index_publisher import SWEEP_BLIND, EvictionSweep
+
+    sweep = EvictionSweep(kept=1000)
+    sweep.stored([f"k{i}" for i in range(1200)])
+    assert len(sweep) == 1000  # the oldest 200 are no longer reconciled
+    assert sweep.due()[:2] == ["k200", "k201"] and len(sweep.due()) == SWEEP_BLIND
+    sweep.seen_evicted = 10
+    assert sweep.due() == []  # the first counter seen is the baseline
+    assert sweep.due() == []  # it did not move
+    sweep.seen_evicted = 110
+    keys = sweep.due()
+    assert len(keys) == 400 and keys[0] == "k200"  # 4 x what was evicted, oldest first
+    present = [i % 2 == 0 for i in range(400)]
+    gone = sweep.checked(keys, present)
+    assert gone == keys[1::2] and sweep.found_gone == 200 and len(sweep) == 800
+    sweep.seen_evicted = 111
+    # Still there: moved to the back, so the next pass (at least 256) asks about others.
+    assert sweep.due()[0] == "k600"
+    sweep.dropped(["k600"])
+    sweep.stored(["k601"])  # stored again: the newest
+    sweep.seen_evicted = 112
+    assert sweep.due()[:1] == ["k602"]

@@ -20,6 +20,13 @@ own process, up for the whole run):
   true``: lookups answered from the node's block index in the scheduler's process, with
   no call (the table then shows index - kvray per row: what the lookup's round trip
   cost, median of paired differences with its 95 % interval).
+- ``raycall`` (``--configs ...,raycall``): ``kvray`` with ``transfer_channel: ray``, every
+  load and save a Ray actor call as before the node channel (kvray - ray-calls per row:
+  what the channel saves).
+
+Paired differences (median over reps of per-rep differences, 95 % interval) are printed
+for each of index - kvray, kvray - ray-calls, kvray - ideal and index - ideal whose two
+configurations ran.
 
 Reps are interleaved: for every (input length, hit rate, rep) each engine in turn, in
 an order rotated per rep, seeds the prefix and times one request that starts with it;
@@ -66,7 +73,7 @@ from _engines import (  # noqa: E402
 )
 from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
-CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index")
+CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index", "raycall")
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
     "full": "full",
@@ -76,7 +83,10 @@ LABELS = {
     "peer": "peer",
     "nock": "no-cksum",
     "index": "index",
+    "raycall": "ray-calls",
 }
+PAIRS = (("index", "kvray"), ("kvray", "raycall"), ("kvray", "local"), ("index", "local"))
+"""The paired differences printed, where both configurations ran."""
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
 """``--smoke``: every configuration, one short input with and without hits, 3 reps."""
@@ -84,7 +94,7 @@ SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb",
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
-    if name in ("kvray", "staged", "nock", "index"):
+    if name in ("kvray", "staged", "nock", "index", "raycall"):
         pools = {"nock": "bench-nock", "index": "bench-ix"}
         extra = {
             "pool_name": pools.get(name, "bench"),
@@ -92,6 +102,8 @@ def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
             "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }
+        if name == "raycall":
+            extra["transfer_channel"] = "ray"
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
     elif name == "peer":
         spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG
@@ -204,16 +216,18 @@ def main() -> int:
                 row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
             if "nock" in configs and "kvray" in configs:
                 row["checksum_cost"] = paired_ratio(row["reps_kvray_s"], row["reps_nock_s"])
-            if "index" in configs and "kvray" in configs:
-                row["index_minus_kvray_ms"] = paired_difference_ms(
-                    row["reps_index_s"], row["reps_kvray_s"]
-                )
+            for a, b in PAIRS:
+                if a in configs and b in configs:
+                    row[f"{a}_minus_{b}_ms"] = paired_difference_ms(
+                        row[f"reps_{a}_s"], row[f"reps_{b}_s"]
+                    )
             rows.append(row)
     print_table(rows, configs)
     if "nock" in configs and "kvray" in configs:
         print_checksum_cost(rows)
-    if "index" in configs and "kvray" in configs:
-        print_index_gain(rows)
+    for a, b in PAIRS:
+        if a in configs and b in configs:
+            print_difference(rows, a, b)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_meta(
@@ -255,13 +269,13 @@ def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
     )  # fmt: skip
 
 
-def print_index_gain(rows: list[dict[str, Any]]) -> None:
-    """What answering lookups from the node's index changes: per row, the median of the
-    per-rep differences index - kvray (the same engine config; kvray asks the Lookup
-    actor), with its 95 % bootstrap interval."""
+def print_difference(rows: list[dict[str, Any]], a: str, b: str) -> None:
+    """Per row, the median of the per-rep TTFT differences ``a`` - ``b`` (interleaved
+    reps: paired), with its 95 % bootstrap interval."""
+    la, lb = LABELS[a], LABELS[b]
     print_paired(
-        rows, "index_minus_kvray_ms", "index - kvray ms", lambda v: f"{v:.2f}",
-        "index - kvray = median over reps of TTFT(index) - TTFT(kvray), paired (interleaved)",
+        rows, f"{a}_minus_{b}_ms", f"{la} - {lb} ms", lambda v: f"{v:.2f}",
+        f"{la} - {lb} = median over reps of TTFT({la}) - TTFT({lb}), paired (interleaved)",
     )  # fmt: skip
 
 
@@ -294,7 +308,7 @@ def print_table(rows: list[dict[str, Any]], configs: list[str]) -> None:
             return f"{'-':>8}"
         return f"{(row['ttft_full_s'] - row[key]) / ideal:8.2f}"
 
-    savers = [n for n in ("kvray", "staged", "peer", "index") if n in configs]
+    savers = [n for n in ("kvray", "staged", "peer", "index", "raycall") if n in configs]
     print()
     print(
         f"{'input':>6} {'hit':>5} "

@@ -60,11 +60,12 @@ def start_bench_pool(
     local_buffer: str = "256MB",
     master: dict[str, Any] | None = None,
     *,
-    lookup_index: bool = False,
+    lookup_index: bool | None = None,
 ) -> tuple[Any, str]:
     """A local loopback Ray and a kvray pool ``bench`` (embedded master, one client per
-    node, the default config otherwise: block checksums on; ``lookup_index``: lookups from
-    the node's block index); returns the pool and the Ray address engines join."""
+    node, the default config otherwise: block checksums on, lookups from the node's block
+    index; ``lookup_index=False``: lookups as calls to the Lookup actor); returns the pool
+    and the Ray address engines join."""
     import ray
 
     from kvray.ray_env import ray_init
@@ -82,11 +83,12 @@ def bench_pool(
     master: dict[str, Any] | None = None,
     *,
     checksum: bool = True,
-    lookup_index: bool = False,
+    lookup_index: bool | None = None,
 ) -> Any:
     """A kvray pool ``name`` in the connected Ray cluster (embedded master, one client per
     node); ``checksum=False``: without block checksums (what they cost is measured
-    against it); ``lookup_index``: lookups answered from the node's block index."""
+    against it); ``lookup_index``: lookups answered from the node's block index (None:
+    the default, on) or, False, by calls to the Lookup actor."""
     from kvray import Pool, PoolConfig
 
     spec: dict[str, Any] = {
@@ -94,7 +96,7 @@ def bench_pool(
         "world_size": 1,
         "detached": False,
         "checksum": checksum,
-        "lookup_index": lookup_index,
+        **({} if lookup_index is None else {"lookup_index": lookup_index}),
         "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
     }
     if master is not None:

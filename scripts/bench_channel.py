@@ -6,10 +6,10 @@ fallback, and what every transfer was before), on the same actor of a real pool.
 Three shapes, each a round trip as the engine's worker sees it:
 
 - ``empty``: a call with nothing to do (the channel's ``ping``; Ray's ``probe``);
-- ``get N``: a step's load of N blocks of ``--block-kib`` (a ``TransferBatch`` of N keys
+- ``get``: a step's load of N blocks of ``--block-kib`` (a ``TransferBatch`` of N keys
   into a shared region, the blocks stored once before; checksums on, the default), so the
   backend's own time is inside both arms;
-- ``put N``: a step's save of the same N blocks (overwriting).
+- ``put``: a step's save of the same N blocks (overwriting).
 
 Reps are interleaved (each rep runs every arm in turn, order rotated) and every rep is
 recorded; the table gives p50/p99 and the median of per-rep paired differences
@@ -19,6 +19,7 @@ idle channel costs: it includes Ray's own threads in that process; the worker's 
 no thread at all and blocks in the kernel only while it waits for an answer).
 
     python scripts/bench_channel.py --reps 300 --json bench-results/bench_channel.json
+    python scripts/bench_channel.py --smoke      # the same run, 20 reps of 4 blocks
 """
 
 from __future__ import annotations
@@ -107,10 +108,10 @@ def main() -> int:
         arms: dict[tuple[str, str], Callable[[], object]] = {
             ("empty", "ray"): lambda: handle.probe().result(60),
             ("empty", "channel"): lambda: live.call("ping", (), "ping").result(60),
-            (f"get {blocks}", "ray"): lambda: ok(handle.get(batch)),
-            (f"get {blocks}", "channel"): lambda: ok(channel.get(batch)),
-            (f"put {blocks}", "ray"): lambda: ok(handle.put(batch, True)),
-            (f"put {blocks}", "channel"): lambda: ok(channel.put(batch, True)),
+            ("get", "ray"): lambda: ok(handle.get(batch)),
+            ("get", "channel"): lambda: ok(channel.get(batch)),
+            ("put", "ray"): lambda: ok(handle.put(batch, True)),
+            ("put", "channel"): lambda: ok(channel.put(batch, True)),
         }
         for fn in arms.values():  # warm-up
             for _ in range(5):

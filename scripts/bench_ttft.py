@@ -20,12 +20,16 @@ own process, up for the whole run):
   true``: lookups answered from the node's block index in the scheduler's process, with
   no call (the table then shows index - kvray per row: what the lookup's round trip
   cost, median of paired differences with its 95 % interval).
+- ``actor`` (``--configs ...,actor``): ``kvray`` on a pool with ``lookup_index: false``:
+  every lookup a call to the node's Lookup actor (kvray - actor-lookups per row: what the
+  index saves).
 - ``raycall`` (``--configs ...,raycall``): ``kvray`` with ``transfer_channel: ray``, every
   load and save a Ray actor call as before the node channel (kvray - ray-calls per row:
   what the channel saves).
 
 Paired differences (median over reps of per-rep differences, 95 % interval) are printed
-for each of index - kvray, kvray - ray-calls, kvray - ideal and index - ideal whose two
+for each of index - kvray, kvray - actor-lookups, kvray - ray-calls, kvray - ideal and
+index - ideal whose two
 configurations ran.
 
 Reps are interleaved: for every (input length, hit rate, rep) each engine in turn, in
@@ -73,7 +77,7 @@ from _engines import (  # noqa: E402
 )
 from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
-CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index", "raycall")
+CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor")
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
     "full": "full",
@@ -84,8 +88,15 @@ LABELS = {
     "nock": "no-cksum",
     "index": "index",
     "raycall": "ray-calls",
+    "actor": "actor-lookups",
 }
-PAIRS = (("index", "kvray"), ("kvray", "raycall"), ("kvray", "local"), ("index", "local"))
+PAIRS = (
+    ("index", "kvray"),
+    ("kvray", "actor"),
+    ("kvray", "raycall"),
+    ("kvray", "local"),
+    ("index", "local"),
+)
 """The paired differences printed, where both configurations ran."""
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
@@ -94,8 +105,8 @@ SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb",
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
-    if name in ("kvray", "staged", "nock", "index", "raycall"):
-        pools = {"nock": "bench-nock", "index": "bench-ix"}
+    if name in ("kvray", "staged", "nock", "index", "raycall", "actor"):
+        pools = {"nock": "bench-nock", "index": "bench-ix", "actor": "bench-actor"}
         extra = {
             "pool_name": pools.get(name, "bench"),
             "load_async": False,
@@ -159,10 +170,16 @@ def main() -> int:
         if ("nock" in configs)
         else None
     )
-    # index: kvray as "kvray", on a pool whose lookups the node's block index answers
+    # index: kvray as "kvray", on a pool of its own with lookup_index set (now the default)
     index_pool = (
         bench_pool("bench-ix", "2GB", "256MB", master, lookup_index=True)
         if ("index" in configs)
+        else None
+    )
+    # actor: kvray as "kvray", on a pool whose lookups are calls to the Lookup actor
+    actor_pool = (
+        bench_pool("bench-actor", "2GB", "256MB", master, lookup_index=False)
+        if ("actor" in configs)
         else None
     )
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
@@ -201,6 +218,8 @@ def main() -> int:
             nock_pool.shutdown()
         if index_pool is not None:
             index_pool.shutdown()
+        if actor_pool is not None:
+            actor_pool.shutdown()
         pool.shutdown()
         ray.shutdown()
     shutil.rmtree(tmp)  # engine logs: kept when the run failed
@@ -308,7 +327,7 @@ def print_table(rows: list[dict[str, Any]], configs: list[str]) -> None:
             return f"{'-':>8}"
         return f"{(row['ttft_full_s'] - row[key]) / ideal:8.2f}"
 
-    savers = [n for n in ("kvray", "staged", "peer", "index", "raycall") if n in configs]
+    savers = [n for n in ("kvray", "staged", "peer", "index", "raycall", "actor") if n in configs]
     print()
     print(
         f"{'input':>6} {'hit':>5} "

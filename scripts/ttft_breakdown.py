@@ -80,7 +80,13 @@ def main() -> int:
     parser.add_argument(
         "--lookup-index",
         action="store_true",
-        help="the pool answers lookups from the node's block index (lookup_index: true)",
+        help="the pool answers lookups from the node's block index (lookup_index: true, "
+        "the default)",
+    )
+    parser.add_argument(
+        "--actor-lookups",
+        action="store_true",
+        help="lookups as calls to the node's Lookup actor (lookup_index: false)",
     )
     parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
@@ -101,7 +107,9 @@ def main() -> int:
 
     log(f"== building the model in {args.model_dir}")
     model = str(build_prefill_bound_llama(args.model_dir))
-    pool, ray_address = start_bench_pool(lookup_index=args.lookup_index)
+    if args.lookup_index and args.actor_lookups:
+        parser.error("--lookup-index and --actor-lookups exclude each other")
+    pool, ray_address = start_bench_pool(lookup_index=False if args.actor_lookups else None)
     tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
     env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}
@@ -199,7 +207,7 @@ def main() -> int:
         meta = run_meta(
             reps=args.reps,
             placement=args.placement,
-            **({"lookup_index": True} if args.lookup_index else {}),
+            lookup_index=not args.actor_lookups,
             order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
         )
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -24,6 +24,7 @@ SCRIPTS = ROOT / "scripts"
 RESULTS = ROOT / "bench-results"
 
 SMOKE_TESTS = {
+    "bench_channel.py": "tests/integration/test_scripts.py",
     "bench_layerwise.py": "tests/e2e/test_scripts.py",
     "bench_serve.py": "tests/e2e/test_scripts.py",
     "bench_ssd.py": "tests/integration/test_scripts.py",

@@ -107,14 +107,14 @@ class PoolConfig(_Strict):
     """Timeout of one data-plane actor call (a whole batch)."""
     lookup_timeout_s: float = Field(5.0, gt=0)
     """Timeout of one Pool API lookup call."""
-    lookup_index: bool = False
+    lookup_index: bool = True
     """Each node keeps an index of the pool's blocks in shared memory, kept current by a
-    stream of every client's stores, removes and keys found gone, through the manager;
-    the schedulers on the node answer lookups from it in microseconds, with no actor call,
-    and pin a step's loads with one call (kvray/block_index.py). A block the index shows
-    that is gone by its load is a failed load (recomputed, ``gone_at_load``). Off by
-    default while it is being built (issue 27): the backend's own evictions reach the
-    index only when a load finds a block gone (a bounded reconcile is not built yet)."""
+    stream of every client's stores, removes, keys found gone and the backend's evictions
+    (each client reconciles what it stored), through the manager; the schedulers on the
+    node answer lookups from it in microseconds, with no actor call, and pin a step's
+    loads with one call (kvray/block_index.py). A block the index shows that is gone by
+    its load is a failed load (recomputed, ``gone_at_load``). False: every lookup is a
+    call to the node's Lookup actor, which asks the backend."""
     lookup_index_blocks: int = Field(1 << 20, ge=1024, le=1 << 28)
     """Keys the index holds (every rank's and layer group's key of a block counts): 32
     bytes of shared memory per key on each node, and as much in the manager (1 Mi keys:

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
     [
         ("bench_store.py", "bench_store.json", "put GB/s"),
         ("bench_ssd.py", "bench_ssd.json", "write GB/s"),
+        ("bench_channel.py", "bench_channel.json", "channel p50"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result, table):

@@ -27,12 +27,77 @@ still in the core's cache (the block checksums, :mod:`kvray.backends.checksum`).
 from __future__ import annotations
 
 import abc
+import ctypes
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 Pieces = Sequence[Sequence[int]]
 """Per key, the addresses (or sizes) of its pieces, in order."""
+
+
+class _Memory:
+    """Bytes at an address as numpy sees them (``__array_interface__``): no copy, and no
+    ctypes array type per call."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        self.__array_interface__ = {
+            "data": (addr, False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def _strided(ptrs: Sequence[int], sizes: Sequence[int]) -> int | None:
+    """The stride between a key's pieces when they are all one size at one stride, apart
+    (a block's per-layer pieces in vLLM's KV cache), else None."""
+    size, step = sizes[0], ptrs[1] - ptrs[0]
+    if step < size:
+        return None
+    for i in range(1, len(ptrs)):
+        if sizes[i] != size or ptrs[i] - ptrs[i - 1] != step:
+            return None
+    return step
+
+
+def gather_pieces(dst: int, ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+    """One key's pieces, in order, into the contiguous value at ``dst``: one strided copy
+    (numpy, GIL released) when the pieces are one size at one stride, else one
+    ``memmove`` per piece."""
+    _copy(dst, ptrs, sizes, into_value=True)
+
+
+def scatter_pieces(src: int, ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+    """The contiguous value at ``src`` out into one key's pieces, in order (as
+    :func:`gather_pieces`)."""
+    _copy(src, ptrs, sizes, into_value=False)
+
+
+def _copy(value: int, ptrs: Sequence[int], sizes: Sequence[int], *, into_value: bool) -> None:
+    if len(ptrs) > 1:
+        step = _strided(ptrs, sizes)
+        if step is not None:
+            shape = (len(ptrs), sizes[0])
+            flat = np.asarray(_Memory(value, shape, (sizes[0], 1)))
+            pieces = np.asarray(_Memory(ptrs[0], shape, (step, 1)))
+            if into_value:
+                np.copyto(flat, pieces)
+            else:
+                np.copyto(pieces, flat)
+            return
+    at = value
+    for ptr, size in zip(ptrs, sizes, strict=True):
+        if into_value:
+            ctypes.memmove(at, ptr, size)
+        else:
+            ctypes.memmove(ptr, at, size)
+        at += size
 
 
 Check = Callable[[int, int, list["KeyStatus"]], list["KeyStatus"]]

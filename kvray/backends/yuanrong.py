@@ -2,11 +2,12 @@
 ``yr.datasystem.KVClient`` (the host data path).
 
 Writes use the zero-copy pair ``mcreate`` + ``mset_buffer``: the worker hands out
-shared-memory buffers, the rank's pieces are copied straight into them (one memcpy per
-piece, no temporary bytes) and the batch is published. Reads use ``get_buffers``:
-read-only views of the worker's shared memory, copied straight into the destination
-pieces. Both run on the adapter's own bounded thread pool (the native calls and
-``ctypes.memmove`` release the GIL); large batches are split across its threads.
+shared-memory buffers, the rank's pieces are copied straight into them (no temporary
+bytes) and the batch is published. Reads use ``get_buffers``: read-only views of the
+worker's shared memory, copied straight into the destination pieces. A key's pieces at
+one stride (a block's per-layer pieces) move in one strided numpy copy, others one
+``memmove`` each. Both run on the adapter's own bounded thread pool (the native calls and
+the copies release the GIL); large batches are split across its threads.
 
 Keys are encoded for the datasystem's rules (:data:`~kvray.backends.keycodec.YUANRONG`)
 before every call: ``mset`` silently drops a key it does not accept, so kvray never
@@ -23,7 +24,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -35,7 +35,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
+from kvray.backends.base import (
+    Backend,
+    Check,
+    KeyStatus,
+    Pieces,
+    gather_pieces,
+    groups,
+    scatter_pieces,
+)
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import YuanrongConfig, parse_host_port
 from kvray.errors import BackendError, BackendUnavailableError
@@ -334,10 +342,7 @@ class YuanrongBackend(DatasystemBackend):
             try:
                 bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
                 for buf, p, s in zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True):
-                    dst = np.frombuffer(buf.MutableData(), dtype=np.uint8).ctypes.data
-                    for ptr, size in zip(p, s, strict=True):
-                        ctypes.memmove(dst, ptr, size)
-                        dst += size
+                    gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
                 self._native(self._client.mset_buffer, bufs)
             except RuntimeError as exc:
                 status = classify(exc) or KeyStatus.ERROR
@@ -372,10 +377,7 @@ class YuanrongBackend(DatasystemBackend):
                     if buf.GetSize() != sum(s):
                         got.append(KeyStatus.SIZE_MISMATCH)
                         continue
-                    src = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-                    for ptr, size in zip(p, s, strict=True):
-                        ctypes.memmove(ptr, src, size)
-                        src += size
+                    scatter_pieces(np.frombuffer(buf, dtype=np.uint8).ctypes.data, p, s)
                     got.append(KeyStatus.OK)
                 out += check(a, b, got) if check and KeyStatus.OK in got else got
             return out

@@ -89,6 +89,12 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
                 "pipeline": "mooncake|ssd",
                 "ssd": {"path": str(tmp_path / "ssd"), "quota": "256MB", "io_threads": 2},
                 "mooncake": {"global_segment_size": "256MB", "local_buffer_size": "32MB"},
+                # The Lookup actor's lookups: which SSD tier each rank's lookup asks is
+                # what this test checks (the node index's SSD slot bits are tested in
+                # tests/integration/test_block_index.py). With the index, the DRAM blocks
+                # dropped behind kvray's back would still read as DRAM hits, served from
+                # SSD at load.
+                "lookup_index": False,
             },
             environ={},
         )

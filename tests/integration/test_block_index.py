@@ -83,9 +83,12 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
         pool.shutdown()
 
 
-def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
+def test_a_block_the_backend_lost_is_marked_gone(ray_cluster, mooncake_master):
     """The DRAM tier loses a block without kvray (another Mooncake client removes it by
-    its key): kvray's index still shows it until a load finds it gone."""
+    its key, as an eviction would): the BackendClient that stored it finds it gone (its
+    eviction sweep: this external master reports no eviction counter, so it asks about
+    its oldest keys every second; or a load, whichever comes first) and the index marks
+    it so."""
     from kvray.backends import make_backend
 
     cfg = small_config(mooncake_master.address, lookup_index=True, world_size=1)
@@ -107,7 +110,8 @@ def test_a_load_that_finds_a_block_gone_marks_it(ray_cluster, mooncake_master):
                     await raw.close()
 
             assert asyncio.run(evict()) == [KeyStatus.OK]
-            assert index.tiers(d[:1]).tolist() == [DRAM]  # nobody told the index
+            until(index, d[:1], [GONE])  # the sweep found it, with no load
+            shows(index, d[1:], [DRAM] * 2)  # the others are still there
             assert pool.get(keys[0], shape=(4096,), dtype=np.uint8) is None
             shows(index, d[:1], [GONE])
         finally:

@@ -53,6 +53,10 @@ def main() -> int:
         if cmd == "start-ssd":
             config["pipeline"] = "mooncake|ssd"
             config["ssd"] = {"path": args[1], "quota": "256MB", "io_threads": 2}
+            # Lookups by the Lookup actor, which asks each rank's SSD tier where its
+            # worker runs (what the SSD tests check); "drop-dram" goes behind kvray's back,
+            # so the node index would still show those blocks in DRAM (a hit either way).
+            config["lookup_index"] = False
         pool = Pool.start(config)
         out = {"node": me, "server": pool.server_address}
         pool.close()

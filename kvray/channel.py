@@ -5,7 +5,8 @@ Ray sets it up and stays the fallback. At attach the worker asks the BackendClie
 Ray call) for its channel's address, and from then on a step's transfer descriptors
 (``get``/``put`` of :class:`~kvray.transfer.TransferBatch`) go over a Unix stream socket
 in the node's abstract namespace: the step's calls in one frame, their answers back as
-they end. The bytes never cross it; they stay in the registered regions.
+they end, each with the time the actor spent serving it (the timeline's share of a load
+that is the BackendClient's own). The bytes never cross it; they stay in the registered regions.
 
 Why a Unix socket, measured here (``scripts/bench_channel.py``, docs/benchmarks.md): a
 round trip costs tens of microseconds against 1.1-1.8 ms for a Ray actor call; waiting
@@ -159,25 +160,27 @@ class ChannelServer:
         what = f"{self.name}.{method}"
         fn = self._methods.get(method)
         ok, value = True, None
+        t0 = time.perf_counter()
         try:
             if fn is None:
                 raise BackendUnavailableError(f"{what}: the node channel serves no such call")
             value = await fn(*args)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never dropped
             ok, value = False, _answerable(exc, what)
+        served = time.perf_counter() - t0
         if writer.is_closing():
             return
         try:
-            data = _frame([(cid, ok, value)])
+            data = _frame([(cid, ok, value, served)])
         except Exception as exc:  # noqa: BLE001 - an answer that does not pickle
-            data = _frame([(cid, False, _answerable(exc, what))])
+            data = _frame([(cid, False, _answerable(exc, what), served)])
         writer.write(data)
 
 
 class ChannelCall(Call[T]):
     """One call in flight over a node channel."""
 
-    __slots__ = ("channel", "cid", "settled", "ok", "value")
+    __slots__ = ("channel", "cid", "settled", "ok", "value", "served")
 
     def __init__(self, channel: ChannelClient, cid: int, what: str) -> None:
         super().__init__(None, what)
@@ -186,9 +189,14 @@ class ChannelCall(Call[T]):
         self.settled = False
         self.ok = False
         self.value: Any = None
+        self.served: float | None = None
 
-    def _settle(self, ok: bool, value: Any) -> None:
-        self.ok, self.value, self.settled = ok, value, True
+    def _settle(self, ok: bool, value: Any, served: float | None = None) -> None:
+        self.ok, self.value, self.served, self.settled = ok, value, served, True
+
+    @property
+    def served_s(self) -> float | None:
+        return self.served
 
     def done(self) -> bool:
         if not self.settled:
@@ -317,10 +325,10 @@ class ChannelClient:
             answers = pickle.loads(buf[at + _HEAD.size : at + _HEAD.size + n])
             at += _HEAD.size + n
             with self._send_lock:
-                settled = [(self._calls.pop(cid, None), ok, v) for cid, ok, v in answers]
-            for call, ok, value in settled:
+                settled = [(self._calls.pop(cid, None), ok, v, t) for cid, ok, v, t in answers]
+            for call, ok, value, served in settled:
                 if call is not None:
-                    call._settle(ok, value)
+                    call._settle(ok, value, served)
         del buf[:at]
 
     def wait(

@@ -123,6 +123,12 @@ class Call(Generic[T]):
         """What carries the call: Ray (None), or a node channel (:mod:`kvray.channel`)."""
         return None
 
+    @property
+    def served_s(self) -> float | None:
+        """Seconds the actor spent serving the call, where its carrier reports it (the
+        node channel does; Ray: None)."""
+        return None
+
     def block(self, timeout_s: float | None) -> None:
         """Wait up to ``timeout_s`` for this call (another of its carrier's may answer
         first)."""

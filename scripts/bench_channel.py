@@ -9,7 +9,10 @@ Three shapes, each a round trip as the engine's worker sees it:
 - ``get``: a step's load of N blocks of ``--block-kib`` (a ``TransferBatch`` of N keys
   into a shared region, the blocks stored once before; checksums on, the default), so the
   backend's own time is inside both arms;
-- ``put``: a step's save of the same N blocks (overwriting).
+- ``put``: a step's save of the same N blocks (overwriting);
+
+and the floor any same-node channel pays: a bare round trip between two processes over a
+socketpair (one wake-up each way), in the same run.
 
 Reps are interleaved (each rep runs every arm in turn, order rotated) and every rep is
 recorded; the table gives p50/p99 and the median of per-rep paired differences
@@ -25,6 +28,8 @@ no thread at all and blocks in the kernel only while it waits for an answer).
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import sys
 import time
@@ -66,6 +71,21 @@ def main() -> int:
     from kvray.transfer import TransferBatch
 
     blocks, block = args.blocks, args.block_kib << 10
+    # The floor: a bare round trip between two processes over a socketpair (a wake-up
+    # each way), forked before Ray starts; it echoes until the socket closes.
+    ours, theirs = socket.socketpair()
+    echo = os.fork()
+    if echo == 0:
+        ours.close()
+        while data := theirs.recv(64):
+            theirs.sendall(data)
+        os._exit(0)
+    theirs.close()
+
+    def floor() -> None:
+        ours.sendall(b"p")
+        ours.recv(64)
+
     log("== local Ray on loopback, a 1-rank pool (embedded master, checksums on)")
     ray_init("local", num_cpus=2)
     pool = Pool.start(
@@ -113,6 +133,7 @@ def main() -> int:
             ("put", "ray"): lambda: ok(handle.put(batch, True)),
             ("put", "channel"): lambda: ok(channel.put(batch, True)),
         }
+        arms[("floor", "socketpair")] = floor
         for fn in arms.values():  # warm-up
             for _ in range(5):
                 fn()
@@ -138,7 +159,11 @@ def main() -> int:
     finally:
         pool.shutdown()
         ray.shutdown()
+        ours.close()
+        os.waitpid(echo, 0)
 
+    floor_t = times.pop(("floor", "socketpair"))
+    names.remove(("floor", "socketpair"))
     shapes = sorted({s for s, _ in names}, key=[s for s, _ in names].index)
     rows: list[dict[str, Any]] = []
     shape_of = f"{args.reps} reps; {blocks} x {args.block_kib} KiB"
@@ -162,6 +187,8 @@ def main() -> int:
             f"{row['channel_ms']['p50']:12.3f} {row['channel_ms']['p99']:7.3f} "
             f"{diff['median']:+14.3f} [{lo:+.3f}, {hi:+.3f}]"
         )
+    print(f"floor: a bare socketpair round trip between two processes, p50 "
+          f"{_pct(floor_t, 50):.3f} p99 {_pct(floor_t, 99):.3f}")  # fmt: skip
     print(f"\nchannel frames sent: {frames}; the BackendClient's CPU while idle: "
           f"{idle_pct:.2f} % of a core")  # fmt: skip
     write_json(
@@ -170,6 +197,7 @@ def main() -> int:
             **run_meta(),
             "args": vars(args) | {"json": str(args.json) if args.json else None},
             "rows": rows,
+            "floor_ms": {"p50": _pct(floor_t, 50), "p99": _pct(floor_t, 99), "reps_s": floor_t},
             "frames": frames,
             "idle_cpu_pct": idle_pct,
             "median_ms": {f"{s}/{a}": statistics.median(v) * 1e3 for (s, a), v in times.items()},

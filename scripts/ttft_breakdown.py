@@ -12,7 +12,11 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 - ``lookup``: sent to answered, as the scheduler saw it (``waits``: steps it sat out);
 - ``to step``: answered to the step that computes its first token being handed to the
   workers (scheduling, block allocation, metadata);
-- ``load``: that step waiting for pool loads; ``forward``: the forward itself;
+- ``load client`` and ``load rest``: that step waiting for pool loads, split into the
+  time the BackendClient spent serving them (its backend's get, the checksum
+  verification; as it measured it, reported over the node channel) and the rest (the
+  channel, the worker's own work, staged: the scatter; all of it with
+  ``transfer_channel: ray``, which reports no split); ``forward``: the forward itself;
 - ``after step``: the step's connector work after the forward (saves sent) and the step
   output getting back to the scheduler;
 - ``to caller``: from there to ``generate`` returning (output processing);
@@ -20,7 +24,7 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 medians over reps, next to the local prefix cache's TTFT and kvray's excess over it.
 
     .venv/bin/python scripts/ttft_breakdown.py --json bench-results/ttft_breakdown.json
-    .venv/bin/python scripts/ttft_breakdown.py --lookup-index --lengths 1024 --reps 10
+    .venv/bin/python scripts/ttft_breakdown.py --actor-lookups --lengths 1024 --reps 10
     .venv/bin/python scripts/ttft_breakdown.py --smoke --json /tmp/ttft_breakdown.json
 """
 
@@ -48,7 +52,16 @@ from _engines import (  # noqa: E402
 )
 
 BLOCK = 128
-PARTS = ("to_lookup", "lookup", "to_step", "load", "forward", "after_step", "to_caller")
+PARTS = (
+    "to_lookup",
+    "lookup",
+    "to_step",
+    "load_client",
+    "load_rest",
+    "forward",
+    "after_step",
+    "to_caller",
+)
 SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
 """``--smoke``: both engines, one short input with a one-block hit, 3 reps."""
 
@@ -60,11 +73,13 @@ def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:
     answered = tl["lookup_answered_ms"] if tl["lookup_answered_ms"] is not None else sent
     built, done = tl["first_step_built_ms"], tl["first_token_ms"]
     load, forward = tl["load_wait_ms"] or 0.0, tl["forward_ms"] or 0.0
+    served = tl.get("load_served_ms") or 0.0
     return {
         "to_lookup": lag + sent,
         "lookup": answered - sent,
         "to_step": built - answered,
-        "load": load,
+        "load_client": served,
+        "load_rest": load - served,
         "forward": forward,
         "after_step": done - built - load - forward,
         "to_caller": ttft_ms - lag - done,

@@ -101,6 +101,16 @@ class Loader:
         self._errors: set[int] = set()
         self._lw: _LayerwiseLoad | None = None
         self._warned_late = False
+        self._served_s = 0.0
+        """Of the sync loads waited for since the last :meth:`take_served`: the time the
+        BackendClient spent serving them (the slowest call of each wait)."""
+
+    def take_served(self) -> float:
+        served, self._served_s = self._served_s, 0.0
+        return served
+
+    def _count_served(self, calls: list[Call[list[KeyStatus]]]) -> None:
+        self._served_s += max((c.served_s or 0.0 for c in calls), default=0.0)
 
     # ---- a step's loads ------------------------------------------------------------------
 
@@ -135,6 +145,7 @@ class Loader:
         try:
             calls = [self._store.get(b) for b in batches]
             statuses = all_ok(self._waits.results(calls, self._timeout_s))
+            self._count_served(calls)
         except KVRayError as exc:
             logger.warning("rank %d: load of %d blocks failed: %s", self._rank, n, exc)
             statuses = [KeyStatus.ERROR] * n
@@ -265,6 +276,7 @@ class Loader:
         g = len(load.statuses)
         try:
             statuses = load.calls[g].result(self._timeout_s)
+            self._count_served([load.calls[g]])
         except KVRayError as exc:
             logger.warning(
                 "rank %d: load of layer group %d (%d blocks) failed: %s",

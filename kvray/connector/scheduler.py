@@ -358,6 +358,7 @@ class KVRayScheduler:
                 tl.first_token_ms = clock.now_ms()
                 if step == times.step:
                     tl.load_wait_ms, tl.forward_ms = times.load_wait_ms, times.forward_ms
+                    tl.load_served_ms = times.load_served_ms
                 self._log_parked(rid)
 
     def _log_parked(self, rid: str) -> None:
@@ -436,7 +437,8 @@ class KVRayScheduler:
 
         logger.debug(
             "timeline request_id=%s arrival_lag=%s lookup_sent=%s lookup_answered=%s%s "
-            "lookup_wait_steps=%d admitted=%s first_step_built=%s load_wait=%s forward=%s "
+            "lookup_wait_steps=%d admitted=%s first_step_built=%s load_wait=%s "
+            "(served %s) forward=%s "
             "first_token=%s prefill_steps=%d (ms from first sight)",
             rid,
             ms(tl.arrival_lag_ms),
@@ -447,6 +449,7 @@ class KVRayScheduler:
             ms(tl.admitted_ms),
             ms(tl.first_step_built_ms),
             ms(tl.load_wait_ms),
+            ms(tl.load_served_ms),
             ms(tl.forward_ms),
             ms(tl.first_token_ms),
             tl.prefill_steps,

@@ -6,7 +6,8 @@ seen answered (and how many scheduler steps it waited for that), admitted, the e
 step that computes its first token built, and that step's output back. The worker side
 reports per step (:class:`StepTimes`, vLLM's worker -> scheduler connector metadata,
 the slowest rank's when there are several): how long the forward waited for pool loads
-and how long the forward itself took. Durations only cross processes (and nodes), never
+(and how much of that the BackendClient spent serving them) and how long the forward
+itself took. Durations only cross processes (and nodes), never
 timestamps, so no two clocks are compared.
 
 At the end of a request its :class:`Timeline` is logged at DEBUG (``kvray.connector``
@@ -34,15 +35,22 @@ class StepTimes(KVConnectorWorkerMetadata):
     """The forward, without that waiting and without the connector's own work after it."""
     save_ms: float = 0.0
     """``wait_for_save``: gathering (staged) and sending the step's saves."""
+    load_served_ms: float = 0.0
+    """Of ``load_wait_ms``: the time the BackendClient spent serving the loads waited for
+    (its backend's get and the checksum verification), as it measured it; the rest is
+    the node channel, the worker's own work (staged: the scatter) and waiting. Reported
+    over the node channel; Ray calls report none (0)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, StepTimes):
             return self
+        slow = self if self.load_wait_ms >= other.load_wait_ms else other
         return StepTimes(
             max(self.step, other.step),
-            max(self.load_wait_ms, other.load_wait_ms),
+            slow.load_wait_ms,
             max(self.forward_ms, other.forward_ms),
             max(self.save_ms, other.save_ms),
+            slow.load_served_ms,
         )
 
 
@@ -54,6 +62,7 @@ class StepClock:
         self._bound = 0.0
         self._in_connector = 0.0
         self._load_wait = 0.0
+        self._served = 0.0
         self._save = 0.0
         self._forward_end = 0.0
         self.active = False
@@ -62,13 +71,15 @@ class StepClock:
         self.step, self.active = step, True
         self._bound = time.perf_counter()
         self._in_connector = self._load_wait = self._save = self._forward_end = 0.0
+        self._served = 0.0
 
-    def loaded(self, seconds: float, *, waited: bool) -> None:
+    def loaded(self, seconds: float, *, waited: bool, served: float = 0.0) -> None:
         """``seconds`` spent in start_load_kv (the forward waited when ``waited``) or in
-        wait_for_layer_load (waited)."""
+        wait_for_layer_load (waited); ``served``: of them, the BackendClient's own time."""
         self._in_connector += seconds
         if waited:
             self._load_wait += seconds
+            self._served += min(served, seconds)
 
     def saving(self, start: float, seconds: float) -> None:
         if not self._forward_end:
@@ -81,7 +92,9 @@ class StepClock:
         self.active = False
         end = self._forward_end or time.perf_counter()
         forward = max(0.0, end - self._bound - self._in_connector)
-        return StepTimes(self.step, self._load_wait * 1e3, forward * 1e3, self._save * 1e3)
+        return StepTimes(
+            self.step, self._load_wait * 1e3, forward * 1e3, self._save * 1e3, self._served * 1e3
+        )
 
 
 @dataclass
@@ -100,6 +113,8 @@ class Timeline:
     first_step_built_ms: float | None = None
     """The step computing the first token was handed to the workers."""
     load_wait_ms: float | None = None
+    load_served_ms: float | None = None
+    """Of ``load_wait_ms``, the BackendClient's own time (:class:`StepTimes`)."""
     forward_ms: float | None = None
     """Of the step computing the first token (its whole prefill when it has one step)."""
     first_token_ms: float | None = None

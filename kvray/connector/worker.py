@@ -233,12 +233,14 @@ class KVRayWorker:
             self._flush()
             # Sync loads hold the forward back; async ones only cost their submission.
             waited = bool(self._meta and self._meta.loads)
-            self._clock.loaded(time.perf_counter() - t0, waited=waited)
+            served = self._loads.take_served() if self._loads is not None else 0.0
+            self._clock.loaded(time.perf_counter() - t0, waited=waited, served=served)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         t0 = time.perf_counter()
         if self._loads is not None and self._loads.wait_for_layer(layer_name):
-            self._clock.loaded(time.perf_counter() - t0, waited=True)
+            served = self._loads.take_served()
+            self._clock.loaded(time.perf_counter() - t0, waited=True, served=served)
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self._saves is not None:

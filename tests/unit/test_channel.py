@@ -48,7 +48,11 @@ class Served:
         async def bug() -> None:
             raise RuntimeError("kaboom")
 
-        methods = {"echo": echo, "held": held, "full": full, "bug": bug}
+        async def nap(seconds: float) -> str:
+            await asyncio.sleep(seconds)
+            return "rested"
+
+        methods = {"echo": echo, "held": held, "full": full, "bug": bug, "nap": nap}
         self.server = ChannelServer("unit", methods)
         self.address = self.run(self.server.start())
 
@@ -76,6 +80,15 @@ def test_a_steps_calls_go_in_one_frame_and_each_answers(served: Served) -> None:
     assert remote.results(calls, 10) == [(i, "x") for i in range(5)]
     assert client.frames == 1
     assert served.server.connections == 1
+    client.close()
+
+
+def test_each_answer_says_how_long_the_actor_served_it(served: Served) -> None:
+    client = ChannelClient(served.address, "unit")
+    nap = client.call("nap", (0.05,), "nap")
+    assert nap.served_s is None  # not answered yet
+    assert nap.result(10) == "rested"
+    assert nap.served_s is not None and nap.served_s >= 0.05
     client.close()
 
 

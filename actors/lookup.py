@@ -148,6 +148,11 @@ class LookupActor:
     async def pin(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> None:
         await self._service.pin(space, hashes, timeout_s)
 
+    async def report(self, counts: dict[str, int]) -> None:
+        """The lookups a scheduler's block index answered, counted as this actor's."""
+        self._ensure_follower()
+        self._service.count(counts)
+
     async def snapshot(self) -> dict[str, Any]:
         return {
             "node_id": self._node_id,

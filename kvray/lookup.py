@@ -173,6 +173,13 @@ class LookupService:
             self.stats.pin_failures += 1
             self._warn_once("pin", "pinning blocks before their load failed (%s)", exc)
 
+    def count(self, counts: dict[str, int]) -> None:
+        """Add lookup counters (:class:`RankStats` fields) counted elsewhere: the lookups
+        schedulers answered from the node's block index. Unknown names are ignored."""
+        for name, n in counts.items():
+            if name.startswith(("lookup", "miss_")) and hasattr(self.stats, name):
+                setattr(self.stats, name, getattr(self.stats, name) + int(n))
+
     def _missed(self, answer: Answer, n: int) -> Answer:
         if answer.miss:
             name = counter(answer.miss)

@@ -297,6 +297,11 @@ class LookupHandle(Handle):
         leases); never raises (a failed pin is counted)."""
         return self._call("pin", space, block_hashes, timeout_s)
 
+    def report(self, counts: dict[str, int]) -> Call[None]:
+        """Lookup counters (``RankStats`` fields) of lookups a scheduler's block index
+        answered, added to the actor's."""
+        return self._call("report", counts)
+
     def index_apply(self, changes: list[IndexChange]) -> Call[None]:
         """This node's clients' block-index changes, applied as they make them."""
         return self._call("index_apply", changes)

@@ -66,8 +66,8 @@ class RankStats:
 
     def misses(self) -> dict[str, int]:
         """Missed blocks by reason: the lookups' (``miss_*``), and the loads' (a get that
-        found nothing in any tier, ``gone_at_load``; one that failed, ``load_failed``; one whose bytes
-        failed their checksum, ``corrupt``)."""
+        found nothing in any tier, ``gone_at_load``; one that failed, ``load_failed``; one
+        whose bytes failed their checksum, ``corrupt``)."""
         out = {r: getattr(self, f"miss_{r}") for r in LOOKUP_REASONS}
         # A DRAM miss the SSD tier served was no miss.
         out["gone_at_load"] = max(0, self.get_missed - self.ssd_get_keys)

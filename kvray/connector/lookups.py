@@ -30,6 +30,7 @@ from kvray.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex
 from kvray.errors import KVRayError
 from kvray.index_stream import INDEX_STALE_S
 from kvray.lookup import Answer, Place, ssd_places
+from kvray.misses import counter as miss_counter
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Waits
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
     from kvray.keys import KeySpace
     from kvray.lookup import Placement
     from kvray.remote import Call, LookupHandle
+
+REPORT_S = 1.0
+"""How often a scheduler sends the counters of the lookups its index answered to the
+node's Lookup actor (so ``kvray status`` and the pool's metrics count them)."""
+
 
 Warn = Callable[..., None]
 """``warn(kind, msg, *args)``: log once per kind, count the rest."""
@@ -94,6 +100,9 @@ class Lookups:
         self._stats = stats
         self._warn = warn
         self._pending: dict[str, PendingLookup] = {}
+        self._counts: dict[str, int] = {}
+        """Lookup counters of the index's answers not yet reported to the Lookup actor."""
+        self._reported_at = 0.0
 
     @property
     def space(self) -> KeySpace:
@@ -140,9 +149,30 @@ class Lookups:
             masks[c] = DRAM | ssd
         hits, vals, held = index.lookup(space, hashes, masks)
         self._stats.add("index_hits" if hits else "index_misses")
-        if hits == n:
-            return Answer(hits)
-        return Answer(hits, _why(vals[:, hits], held[:, hits]))
+        answer = Answer(hits) if hits == n else Answer(hits, _why(vals[:, hits], held[:, hits]))
+        self._count(answer, n, int((vals[:, :hits] & DRAM == 0).any(axis=0).sum()))
+        return answer
+
+    def _count(self, answer: Answer, n: int, ssd_only: int) -> None:
+        """The pool's lookup counters (``kvray status``, metrics) for a lookup the index
+        answered: sent to the Lookup actor at most every :data:`REPORT_S`."""
+        c = self._counts
+        c["lookups"] = c.get("lookups", 0) + 1
+        c["lookup_blocks"] = c.get("lookup_blocks", 0) + n
+        c["lookup_hit_blocks"] = c.get("lookup_hit_blocks", 0) + answer.hits
+        c["lookup_ssd_blocks"] = c.get("lookup_ssd_blocks", 0) + ssd_only
+        if answer.miss:
+            name = miss_counter(answer.miss)
+            c[name] = c.get(name, 0) + n - answer.hits
+
+    def report(self) -> None:
+        """Send the index's lookup counters to the Lookup actor (one call, not waited
+        for), at most every :data:`REPORT_S`; called once per scheduler step."""
+        now = time.monotonic()
+        if self._counts and now - self._reported_at >= REPORT_S:
+            counts, self._counts = self._counts, {}
+            self._reported_at = now
+            self._handle.report(counts)
 
     def start(
         self,

@@ -328,6 +328,7 @@ class KVRayScheduler:
                     del self._block_owner[block_id]
             self._preempted.append(rid)
         self._lookups.pin([h for op in (*self._loads, *self._async_loads) for h in op.block_hashes])
+        self._lookups.report()
         meta = KVRayMetadata(
             self._loads, self._async_loads, saves, self._delayed, self._preempted, self._step
         )

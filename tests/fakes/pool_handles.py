@@ -59,6 +59,11 @@ class FakeCall:
     def done(self) -> bool:
         return not self.pending
 
+    @property
+    def served_s(self) -> float | None:
+        """Ray's calls report no served time (the node channel's do)."""
+        return None
+
     def result(self, timeout_s: float | None) -> Any:
         if self.pending:
             assert timeout_s is not None, f"{self.what}: waited without a limit for a hung call"
@@ -189,12 +194,18 @@ class FakeLookup(LookupHandle):
         self.calls: list[FakeCall] = []
         self.index: IndexSpec | None = None
         """What ``index_spec`` answers: the node's block index (None: the pool keeps none)."""
+        self.reports: list[dict[str, int]] = []
+        """The counters of each ``report`` call (lookups the index answered)."""
         self.pins: list[list[bytes]] = []
         """The hashes of each ``pin`` call (one per step that loads index answers)."""
 
     def pin(self, space: Any, block_hashes: Sequence[bytes], timeout_s: float) -> FakeCall:  # type: ignore[override]
         self.pins.append(list(block_hashes))
         return FakeCall("FakeLookup.pin", None)
+
+    def report(self, counts: dict[str, int]) -> FakeCall:  # type: ignore[override]
+        self.reports.append(dict(counts))
+        return FakeCall("FakeLookup.report", None)
 
     def index_spec(self) -> FakeCall:  # type: ignore[override]
         return FakeCall("FakeLookup.index_spec", self.index)

@@ -339,8 +339,13 @@ def test_the_node_index_answers_lookups_with_no_call_and_a_step_pins_its_loads()
     meta = s.step({"hit": 70 - 48}, [(hit, [20, 21, 22, 23, 24])])
     assert [op.block_hashes for op in meta.loads] == [tuple(hit_hashes[:3])]
     assert s.lookup.pins == [hit_hashes[:3]] and s.stat("index_pins") == 1
-    s.step({"hit": 1})  # a step that loads nothing pins nothing
-    assert len(s.lookup.pins) == 1
+    # The pool's lookup counters (kvray status, metrics), in one report: every lookup
+    # the index answered, as the Lookup actor counts what it answers (here three: "hit"
+    # was looked up once before its blocks were stored, a miss the test then dropped).
+    assert s.lookup.reports == [{"lookups": 3, "lookup_blocks": 12, "lookup_hit_blocks": 3,
+                                 "lookup_ssd_blocks": 0, "miss_not_stored": 9}]  # fmt: skip
+    s.step({"hit": 1})  # a step that loads nothing pins nothing (nor reports, within 1 s)
+    assert len(s.lookup.pins) == 1 and len(s.lookup.reports) == 1
 
     # Reasons: only rank 0 stored the first block; kvray removed it; a load found it gone.
     for i, (rid, store, why) in enumerate(

@@ -99,6 +99,8 @@ PAIRS = (
 )
 """The paired differences printed, where both configurations ran."""
 BLOCK = 128
+SEGMENT = "4GB"
+"""Each pool's (and the peer's master's) memory: room for a default run's blocks."""
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
 """``--smoke``: every configuration, one short input with and without hits, 3 reps."""
 
@@ -163,22 +165,25 @@ def main() -> int:
     model = str(build_prefill_bound_llama(args.model_dir))
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
-    pool, ray_address = start_bench_pool(segment="2GB", master=master)
+    # Every pool and the peer's master hold SEGMENT: a default run stores ~2.6 GB of
+    # blocks (the seeds' and probes' of every row), past which the master evicts and
+    # refuses puts, and a probe's seed can be gone before the probe (the run is void).
+    pool, ray_address = start_bench_pool(segment=SEGMENT, master=master)
     # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock)
     nock_pool = (
-        bench_pool("bench-nock", "2GB", "256MB", master, checksum=False)
+        bench_pool("bench-nock", SEGMENT, "256MB", master, checksum=False)
         if ("nock" in configs)
         else None
     )
     # index: kvray as "kvray", on a pool of its own with lookup_index set (now the default)
     index_pool = (
-        bench_pool("bench-ix", "2GB", "256MB", master, lookup_index=True)
+        bench_pool("bench-ix", SEGMENT, "256MB", master, lookup_index=True)
         if ("index" in configs)
         else None
     )
     # actor: kvray as "kvray", on a pool whose lookups are calls to the Lookup actor
     actor_pool = (
-        bench_pool("bench-actor", "2GB", "256MB", master, lookup_index=False)
+        bench_pool("bench-actor", SEGMENT, "256MB", master, lookup_index=False)
         if ("actor" in configs)
         else None
     )
@@ -193,7 +198,7 @@ def main() -> int:
             e_env = dict(env)
             if name == "peer":
                 peer_master, peer_env = start_peer_master(
-                    tmp, master, segment=2 << 30, local_buffer=256 << 20
+                    tmp, master, segment=4 << 30, local_buffer=256 << 20
                 )
                 e_env.update(peer_env)
             engines[name] = Engine(name, engine_spec(name, model, max(lengths) + 16), e_env, tmp)

@@ -127,6 +127,11 @@ class IndexHub:
         return self.since(epoch, seq)
 
 
+UNCONFIRMED_MAX = 4096
+"""Local changes a keeper keeps to re-apply until the hub sends them back (more: the hub
+is unreachable, and the oldest are dropped; the index is advisory)."""
+
+
 class IndexKeeper:
     """A node's side: the index the node's schedulers read, kept to the hub's updates and,
     first, to its own node's clients' changes (:meth:`apply_local`)."""
@@ -138,6 +143,10 @@ class IndexKeeper:
         self.snapshots = 0
         self._waiting: list[IndexChange] = []
         """Changes of this node's clients in an SSD place the hub has not named yet."""
+        self._unconfirmed: deque[tuple[int, int, bytes]] = deque()
+        """This node's changes applied here that the hub has not sent back yet, in order:
+        applied again after each update from the hub, which may carry older changes of
+        the same keys (or a snapshot taken before the hub had them)."""
 
     def apply_local(self, changes: list[IndexChange]) -> None:
         """Changes of this node's clients, as they make them. An SSD place the hub has not
@@ -146,8 +155,18 @@ class IndexKeeper:
             bits = DRAM if c.slot < 0 else self.index.place_bit(c.node_id, c.slot, register=False)
             if bits and not (self._waiting and c.slot >= 0):
                 apply(self.index, c.op, bits, np.frombuffer(c.digests, dtype="<u8"))
+                self._unconfirmed.append((c.op, bits, c.digests))
+                while len(self._unconfirmed) > UNCONFIRMED_MAX:
+                    self._unconfirmed.popleft()
             else:  # (behind others waiting: in order)
                 self._waiting.append(c)
+
+    def _confirmed(self, op: int, raw: bytes) -> None:
+        """The hub sent back one of this node's changes (the first equal one pending)."""
+        for i, (o, _, r) in enumerate(self._unconfirmed):
+            if o == op and r == raw:
+                del self._unconfirmed[i]
+                return
 
     def _flush_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
@@ -165,6 +184,11 @@ class IndexKeeper:
                 self.index.place_bit(node_id, slot)
             for op, bits, raw in update.changes:
                 apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
+                if self._unconfirmed:
+                    self._confirmed(op, raw)
+        # This node's newer changes win over what the hub sent (read your writes).
+        for op, bits, raw in self._unconfirmed:
+            apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
         if self._waiting:
             self._flush_waiting()
         self.epoch, self.seq = update.epoch, update.seq

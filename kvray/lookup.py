@@ -179,6 +179,7 @@ class LookupService:
         for name, n in counts.items():
             if name.startswith(("lookup", "miss_")) and hasattr(self.stats, name):
                 setattr(self.stats, name, getattr(self.stats, name) + int(n))
+        self.stats.index_lookups += int(counts.get("lookups", 0))
 
     def _missed(self, answer: Answer, n: int) -> Answer:
         if answer.miss:

@@ -39,6 +39,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "lookup_blocks": ("kvray_lookup_blocks", "Blocks looked up"),
     "lookup_hit_blocks": ("kvray_lookup_hit_blocks", "Blocks looked up and found (leading)"),
     "lookup_ssd_blocks": ("kvray_lookup_ssd_blocks", "Lookup hits only the SSD tier held"),
+    "index_lookups": (
+        "kvray_index_lookups",
+        "Of the lookups, those the node's block index answered",
+    ),
     "pins": ("kvray_pins", "Steps' loads pinned (lookups answered from the node's index)"),
     "pin_failures": ("kvray_pin_failures", "Pins that failed (their blocks loaded unpinned)"),
     "ssd_put_keys": ("kvray_ssd_put_blocks", "Blocks written to the SSD tier"),

@@ -36,6 +36,9 @@ class RankStats:
     ssd_get_bytes: int = 0
     lookup_ssd_blocks: int = 0
     """Blocks of lookup hits that only the SSD tier holds."""
+    index_lookups: int = 0
+    """Of ``lookups``, those schedulers answered from the node's block index (reported to
+    the Lookup actor, no call per lookup)."""
     pins: int = 0
     """Pin calls: a step's blocks answered from the node's index, leased until loaded."""
     pin_failures: int = 0

@@ -133,7 +133,7 @@ class Lookups:
         if index is None or not hashes:
             return None
         if index.stale():  # its keeper restarted: map the new one next time
-            self._index = None
+            self._drop_index()
             self._warn("index-gone", "the node's block index went away: lookups ask the "
                        "Lookup actor until the scheduler maps the new one")  # fmt: skip
             return None
@@ -165,13 +165,25 @@ class Lookups:
             name = miss_counter(answer.miss)
             c[name] = c.get(name, 0) + n - answer.hits
 
-    def report(self) -> None:
+    def _drop_index(self) -> None:
+        """Unmap the node's index (its keeper is gone): lookups ask the Lookup actor."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+
+    def report(self, *, now: bool = False) -> None:
         """Send the index's lookup counters to the Lookup actor (one call, not waited
-        for), at most every :data:`REPORT_S`; called once per scheduler step."""
-        now = time.monotonic()
-        if self._counts and now - self._reported_at >= REPORT_S:
+        for): once per scheduler step at most every :data:`REPORT_S`, and (``now``) when
+        a request finished, so the pool's counters include it. A step also unmaps an
+        index whose keeper is gone (a pool stopped under a running engine)."""
+        at = time.monotonic()
+        if not now and self._index is not None and self._index.stale():
+            self._drop_index()
+            self._warn("index-gone", "the node's block index went away: lookups ask the "
+                       "Lookup actor until the scheduler maps the new one")  # fmt: skip
+        if self._counts and (now or at - self._reported_at >= REPORT_S):
             counts, self._counts = self._counts, {}
-            self._reported_at = now
+            self._reported_at = at
             self._handle.report(counts)
 
     def start(

@@ -390,6 +390,7 @@ class KVRayScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._lookups.drop(rid)
+        self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:

@@ -87,9 +87,10 @@ def test_a_long_poll_answers_when_something_is_recorded_or_at_its_limit():
 
 
 def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_stream():
-    """Its node's changes count at once (an SSD place the hub has not named waits for it);
-    the same changes from the hub are applied again, so a snapshot taken before the hub had
-    them (it replaces everything) does not lose them (seen: a DRAM store lost for good)."""
+    """Its node's changes count at once (an SSD place the hub has not named waits for it),
+    and again after every update from the hub until the hub sends them back, so a snapshot
+    taken before the hub had them (it replaces everything) does not lose them (seen: a DRAM
+    store lost for good)."""
     hub = IndexHub(4096)
     keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(10)
@@ -98,7 +99,7 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM] * 5
     # The keeper's first update: a snapshot of the hub from before it got our changes.
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
-    assert not keeper.index.tiers(key_digests(k[:5])).any()
+    assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM] * 5  # kept
     hub.record(ours)
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     ssd = keeper.index.place_bit("node-a", 0)
@@ -112,6 +113,29 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     same(hub, keeper, k)
     assert keeper.index.tiers(key_digests(k[:1])).tolist() == [ssd]
+
+
+def test_a_hub_update_never_takes_back_a_newer_change_of_this_node():
+    """Read your writes: a block removed, then stored again, here; the hub's next update
+    carries only the remove (the store is still on its way): the index shows the store."""
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    k = keys(3)
+    stored = change(ADD, k)
+    hub.record([stored])
+    keeper.apply_local([stored])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    removed, again = change(REMOVE, k[:1]), change(ADD, k[:1])
+    keeper.apply_local([removed])
+    keeper.apply_local([again])
+    hub.record([removed])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    assert keeper.index.tiers(key_digests(k)).tolist() == [DRAM] * 3
+    hub.record([again])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    assert not keeper._unconfirmed  # every change came back
+    same(hub, keeper, k)
 
 
 def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> None:

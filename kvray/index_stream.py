@@ -168,9 +168,17 @@ class IndexKeeper:
                 del self._unconfirmed[i]
                 return
 
-    def _flush_waiting(self) -> None:
+    def _named(self) -> None:
+        """Waiting changes whose SSD place the hub has named now join the unconfirmed
+        ones (in order), before the hub's changes are matched against them: the update
+        that named the place may carry them already."""
         waiting, self._waiting = self._waiting, []
-        self.apply_local(waiting)
+        for c in waiting:
+            bits = self.index.place_bit(c.node_id, c.slot, register=False)
+            if bits and not self._waiting:
+                self._unconfirmed.append((c.op, bits, c.digests))
+            else:
+                self._waiting.append(c)
 
     def apply(self, update: IndexUpdate) -> None:
         if update.snapshot is not None:
@@ -182,6 +190,9 @@ class IndexKeeper:
             # New places since: registered in the hub's order, so the bits are the hub's.
             for node_id, slot in update.places[len(self.index.places()) :]:
                 self.index.place_bit(node_id, slot)
+        if self._waiting:
+            self._named()
+        if update.snapshot is None:
             for op, bits, raw in update.changes:
                 apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
                 if self._unconfirmed:
@@ -189,8 +200,6 @@ class IndexKeeper:
         # This node's newer changes win over what the hub sent (read your writes).
         for op, bits, raw in self._unconfirmed:
             apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
-        if self._waiting:
-            self._flush_waiting()
         self.epoch, self.seq = update.epoch, update.seq
         self.index.touch()
 

@@ -138,6 +138,30 @@ def test_a_hub_update_never_takes_back_a_newer_change_of_this_node():
     same(hub, keeper, k)
 
 
+def test_a_change_waiting_for_its_place_is_confirmed_by_the_update_that_names_it():
+    """An SSD store made here before the hub named its place, and the hub's update that
+    names it and carries it: confirmed there, so the tier's later eviction sticks (seen:
+    the store replayed after every update, the evicted block's SSD bit back for good)."""
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    k = keys(2)
+    stored = change(ADD, k, "node-a", 0)
+    keeper.apply_local([stored])  # waits: no bit for node-a's slot 0 yet
+    hub.record([stored])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    bit = keeper.index.place_bit("node-a", 0)
+    assert keeper.index.tiers(key_digests(k)).tolist() == [bit] * 2
+    assert not keeper._unconfirmed
+    evicted = change(REMOVE, k[:1], "node-a", 0)
+    keeper.apply_local([evicted])
+    hub.record([evicted])
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    assert keeper.index.tiers(key_digests(k)).tolist()[1] == bit
+    assert not keeper.index.tiers(key_digests(k[:1])).any() & bit
+    same(hub, keeper, k)
+
+
 def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> None:
     from kvray.index_publisher import SWEEP_BLIND, EvictionSweep
 

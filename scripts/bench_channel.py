@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from _common import log, parse, write_json
-from _engines import run_meta
+from _engines import bench_pool, run_meta
 from _stats import paired_difference_ms
 
 SMOKE = ["--reps", "20", "--blocks", "4", "--idle-s", "1"]
@@ -63,7 +63,6 @@ def main() -> int:
     import psutil
     import ray
 
-    from kvray import Pool, PoolConfig
     from kvray.backends.base import KeyStatus
     from kvray.channel import ChannelStore
     from kvray.ray_env import ray_init
@@ -88,17 +87,7 @@ def main() -> int:
 
     log("== local Ray on loopback, a 1-rank pool (embedded master, checksums on)")
     ray_init("local", num_cpus=2)
-    pool = Pool.start(
-        PoolConfig.from_dict(
-            {
-                "name": "bench-channel",
-                "world_size": 1,
-                "detached": False,
-                "mooncake": {"global_segment_size": "256MB", "local_buffer_size": "64MB"},
-            },
-            environ={},
-        )
-    )
+    pool = bench_pool("bench-channel", "256MB", "64MB")
     try:
         handle = pool._loop.run(pool._actor(0))  # noqa: SLF001 - rank 0's BackendClient
         pid = int(handle.probe().result(60)["pid"])

@@ -103,6 +103,7 @@ class Lookups:
         self._counts: dict[str, int] = {}
         """Lookup counters of the index's answers not yet reported to the Lookup actor."""
         self._reported_at = 0.0
+        self._checked_at = 0.0
 
     @property
     def space(self) -> KeySpace:
@@ -177,10 +178,12 @@ class Lookups:
         a request finished, so the pool's counters include it. A step also unmaps an
         index whose keeper is gone (a pool stopped under a running engine)."""
         at = time.monotonic()
-        if not now and self._index is not None and self._index.stale():
-            self._drop_index()
-            self._warn("index-gone", "the node's block index went away: lookups ask the "
-                       "Lookup actor until the scheduler maps the new one")  # fmt: skip
+        if not now and at - self._checked_at >= REPORT_S:  # a stat: once a second at most
+            self._checked_at = at
+            if self._index is not None and self._index.stale():
+                self._drop_index()
+                self._warn("index-gone", "the node's block index went away: lookups ask the "
+                           "Lookup actor until the scheduler maps the new one")  # fmt: skip
         if self._counts and (now or at - self._reported_at >= REPORT_S):
             counts, self._counts = self._counts, {}
             self._reported_at = at

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -131,7 +132,7 @@ class LookupActor:
 
     async def probe(self) -> dict[str, Any]:
         self._ensure_follower()
-        return {"node_id": self._node_id, "probe_hash": probe_hash()}
+        return {"node_id": self._node_id, "pid": os.getpid(), "probe_hash": probe_hash()}
 
     async def lookup(
         self,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvray.errors import ConfigError, EmbeddedPoolError
+from kvray.ray_env import unpin_cpus
 from kvray.servers.process import why_unreachable
 from kvray.shm import process_gone
 
@@ -416,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(2, 1)  # the log
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     logging.basicConfig(level=logging.INFO)
+    pinned = unpin_cpus()  # before Ray starts: its processes inherit this
+    if pinned is not None:
+        logging.getLogger(__name__).info(
+            "the engine process that started this pool ran on CPUs %s only: the pool runs on "
+            "all of them",
+            sorted(pinned),
+        )
     linger = float(os.environ.get("KVRAY_EMBEDDED_LINGER_S", "5"))
     overrides = json.loads(args.overrides) if args.overrides else None
     return keep(args.namespace, args.name, args.config, args.world_size, linger, overrides)

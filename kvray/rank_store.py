@@ -8,9 +8,10 @@ in the process that dereferences them) and counts what it did.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,10 @@ class RankStore:
         self._mapping: dict[str, asyncio.Lock] = {}
         """One lock per region id ever seen (kept: dropping it could let two mappings in)."""
         self._sweeper: asyncio.Task[None] | None = None
+        self._users: dict[int, int] = {}
+        """Transfers running on each mapped region (by ``id`` of its mapping)."""
+        self._drained: dict[int, asyncio.Event] = {}
+        """Set when the last transfer on a region being released ends."""
 
     async def ensure_region(self, spec: RegionSpec) -> SharedRegion:
         """Map and register ``spec`` unless already done (idempotent: every batch carries
@@ -68,9 +73,14 @@ class RankStore:
         return region
 
     async def release_region(self, region_id: str) -> None:
+        """Unregister and unmap a region once the transfers running on it ended: a
+        backend thread still copying from it would fault on the unmapped pages (seen: an
+        engine killed with saves in flight took its node's BackendClient down)."""
         region = self._regions.pop(region_id, None)
         if region is None:
             return
+        if self._users.get(id(region)):
+            await self._drained.setdefault(id(region), asyncio.Event()).wait()
         await self.backend.unregister_region(region.base_ptr)
         region.close()
         self.stats.regions = len(self._regions)
@@ -90,13 +100,27 @@ class RankStore:
             except Exception:
                 logger.exception("rank %d: region sweep failed", self.rank)
 
-    async def _addresses(self, batch: TransferBatch) -> tuple[list[list[int]], list[list[int]]]:
+    @contextlib.asynccontextmanager
+    async def _addresses(
+        self, batch: TransferBatch
+    ) -> AsyncIterator[tuple[list[list[int]], list[list[int]]]]:
+        """The batch's addresses, valid until the block ends: its region stays mapped
+        until then (:meth:`release_region` waits)."""
         region = await self.ensure_region(batch.region)
         if len(batch) and int((batch.offsets + batch.lengths).max()) > region.spec.size:
             raise RegionError(f"descriptor outside region {batch.region.region_id}")
         ptrs: list[list[int]] = (batch.offsets + region.base_ptr).tolist()
         sizes: list[list[int]] = batch.lengths.tolist()
-        return ptrs, sizes
+        key = id(region)
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            yield ptrs, sizes
+        finally:
+            left = self._users.pop(key) - 1
+            if left:
+                self._users[key] = left
+            elif (drained := self._drained.pop(key, None)) is not None:
+                drained.set()
 
     async def _each_once(
         self,
@@ -121,9 +145,9 @@ class RankStore:
         return out
 
     async def put(self, batch: TransferBatch, *, overwrite: bool = False) -> list[KeyStatus]:
-        ptrs, sizes = await self._addresses(batch)
         put = functools.partial(self.backend.put, overwrite=overwrite)
-        statuses = await self._each_once(put, batch.keys, ptrs, sizes)
+        async with self._addresses(batch) as (ptrs, sizes):
+            statuses = await self._each_once(put, batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         self.stats.put_keys += int(ok.sum())
         self.stats.put_bytes += int(batch.key_nbytes()[ok].sum()) if len(batch) else 0
@@ -133,8 +157,8 @@ class RankStore:
         return statuses
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:
-        ptrs, sizes = await self._addresses(batch)
-        statuses = await self._each_once(self.backend.get, batch.keys, ptrs, sizes)
+        async with self._addresses(batch) as (ptrs, sizes):
+            statuses = await self._each_once(self.backend.get, batch.keys, ptrs, sizes)
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=bool, count=len(statuses))
         missed = sum(s is KeyStatus.NOT_FOUND for s in statuses)
         corrupt = sum(s is KeyStatus.CORRUPT for s in statuses)

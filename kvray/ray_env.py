@@ -64,24 +64,57 @@ def _keep_sigterm_handler(own: object) -> None:
 
 
 def normal_priority(role: str) -> None:
-    """Run this Ray worker process (a kvray actor) at niceness 0.
+    """Run every thread of this Ray worker process (a kvray actor) at niceness 0.
 
     Ray starts its worker processes at niceness 15 (its ``worker_niceness``), which is
     right for background tasks but not for actors on the engines' critical path: next to
     a busy engine at niceness 0 such a process gets a few percent of a core, and a pool
-    hit's load and lookup wait for it. Raising the priority back needs root or an
-    ``RLIMIT_NICE`` that allows it; otherwise this warns once with Ray's own setting.
+    hit's load and lookup wait for it. On Linux a niceness is a thread's, not the
+    process's: the process's main thread and the threads Ray started before the actor's
+    constructor (an async actor's event loop among them) stay at 15 unless each is
+    reniced, and a starved event loop answers nothing while the engine's empty steps
+    spin waiting for it (seen: a ``vllm serve`` whose saves stayed unanswered for
+    seconds). Raising the priority back needs root or an ``RLIMIT_NICE`` that allows it;
+    otherwise this warns once with Ray's own setting.
     """
     try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError as exc:
-        logging.getLogger(__name__).warning(
-            "kvray %s runs at Ray's worker niceness %d and may not lower it (%s): loads and "
-            "lookups then wait whenever an engine keeps the CPU busy; start Ray with "
-            "RAY_worker_niceness=0 in its environment (e.g. `RAY_worker_niceness=0 ray start "
-            "...`)",
-            role,
-            os.getpriority(os.PRIO_PROCESS, 0),
-            exc,
-        )
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread only
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as exc:
+            logging.getLogger(__name__).warning(
+                "kvray %s runs at Ray's worker niceness %d and may not lower it (%s): loads "
+                "and lookups then wait whenever an engine keeps the CPU busy; start Ray with "
+                "RAY_worker_niceness=0 in its environment (e.g. `RAY_worker_niceness=0 ray "
+                "start ...`)",
+                role,
+                os.getpriority(os.PRIO_PROCESS, tid),
+                exc,
+            )
+            return
+
+
+def unpin_cpus() -> set[int] | None:
+    """Let this process (and what it starts) run on every CPU of the machine; the CPUs it
+    was pinned to before, or None when it was not pinned.
+
+    vLLM's CPU worker pins itself to its cores (``VLLM_CPU_OMP_THREADS_BIND``), and a
+    process forked from it inherits that: an embedded pool started from such a worker ran
+    its whole Ray node (raylet, BackendClient, Lookup actor) on the one core where the
+    worker busy-polls between steps, and its saves waited seconds for that core. The
+    kernel keeps the result inside the process's cpuset."""
+    before = os.sched_getaffinity(0)
+    every = set(range(os.cpu_count() or 1))
+    if before >= every:
+        return None
+    try:
+        os.sched_setaffinity(0, every)
+    except OSError:  # a cpuset that allows none of them beyond ours: keep what we have
+        return None
+    return before

@@ -34,19 +34,20 @@ FAIL_S = 150
 plus startup; vLLM's own startup to the connector takes ~20-40 s on 2 cores."""
 
 
-def _serve(name: str, model: str, env: dict[str, str], tmp: Path, extra: dict) -> Server:
+def _serve(
+    name: str, model: str, env: dict[str, str], tmp: Path, extra: dict, *, defaults: bool = False
+) -> Server:
+    """``defaults``: the connector's own settings but ``extra`` (else the suite's
+    lookup timeout and synchronous loads)."""
     from kvray.servers.process import free_port
 
     port = free_port()
+    ours = {} if defaults else {"load_async": False, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS}
     transfer = {
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "load_async": False,
-            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
-            **extra,
-        },
+        "kv_connector_extra_config": {**ours, **extra},
     }
     cmd = vllm_serve_cmd(model, port, "--kv-transfer-config", json.dumps(transfer))
     return Server(name, cmd, env, tmp / f"{name}.log", port=port)
@@ -87,7 +88,9 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
     extra = {"pool_config": str(pool_config)}
     files = Files(tmp_path / "run" / "kvray.kvray")
     psm_before = set(glob.glob("/dev/shm/psm_*"))
-    a = _serve("embedded-a", tiny_model, env, tmp_path, extra)
+    # a: the connector's defaults (only the pool's sizes set), as `vllm serve` with the
+    # three connector keys runs; b: the suite's settings.
+    a = _serve("embedded-a", tiny_model, env, tmp_path, extra, defaults=True)
     b = None
     keeper = None
     try:
@@ -96,9 +99,18 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
         state = read_state(files)
         assert state is not None, a.tail()
         keeper = psutil.Process(state["pid"])
+        # vLLM's CPU worker that started the pool pins itself to its cores; the pool must
+        # not inherit that (its actors starved on the core the worker busy-polls, and no
+        # save was stored while the engine ran).
+        assert set(keeper.cpu_affinity()) == os.sched_getaffinity(0)
         p = prompts(7, 3 * 128 + 5)
         first = _complete(a.url(), tiny_model, p)
-        assert [(x["saved"], x["hit_pool"]) for x in a.wait_request_counts(1)] == [(3, 0)], a.tail()
+        # The same prompt again at once (vLLM's own prefix cache is off): a pool hit.
+        assert _complete(a.url(), tiny_model, p) == first
+        assert [(x["saved"], x["hit_pool"], x["loaded"]) for x in a.wait_request_counts(2)] == [
+            (3, 0, 0),
+            (0, 3, 3),
+        ], a.tail()
 
         # a paused while b starts: in CI (twice) b's worker, importing torch next to a's
         # idle engine, made no progress for minutes (its stacks: in dlopen of torch._C).

@@ -40,3 +40,43 @@ def test_sigterm_reaches_the_process_own_handler(ray_cluster):
     assert "own handler ran" in res.stdout, res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, res.stderr[-3000:]
     assert "SIGTERM received" not in res.stderr
+
+
+def _niceness(pid: int) -> dict[int, int]:
+    """Each thread of ``pid``: its niceness (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_the_pools_actors_run_every_thread_at_niceness_zero(ray_cluster, mooncake_master):
+    """Ray starts workers at niceness 15, and on Linux a niceness is per thread: an actor
+    that reniced only the thread running its constructor kept its event loop at 15, where
+    a busy engine starved it (its saves went unanswered for seconds)."""
+    from kvray import Pool
+    from kvray.keys import KeySpace
+
+    from .conftest import small_config
+
+    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
+        pytest.skip("this test runs at a niceness other than 0")
+    cfg = small_config(mooncake_master.address, world_size=1)
+    pool = Pool.start(cfg)
+    try:
+        space = KeySpace("nice", "float32-b16-h1x64")
+        assert pool.lookup(space, [b"\1" * 32]) == 0  # the node's Lookup actor is up
+        pids = {
+            "BackendClient": pool._h.client(0).probe().result(30)["pid"],
+            "Lookup": pool._h.lookup().probe().result(30)["pid"],
+        }
+        for role, pid in pids.items():
+            niceness = _niceness(pid)
+            assert niceness and set(niceness.values()) == {0}, (role, niceness)
+    finally:
+        pool.shutdown()

@@ -163,6 +163,39 @@ def test_concurrent_first_transfers_map_a_region_once(region):
     assert backend.registered == []
 
 
+def test_a_region_is_unmapped_only_after_its_transfers_ended(region):
+    """A release (the region's engine died: the sweep) while a transfer still copies from
+    the region waits for it: the backend's thread would fault on unmapped pages. Seen:
+    an engine killed with saves in flight took its node's BackendClient down (SIGSEGV)."""
+    from kvray.backends.base import KeyStatus
+    from kvray.rank_store import RankStore
+
+    backend = SlowRegisterBackend()
+    store = RankStore(backend, 0)  # type: ignore[arg-type]
+    batch = TransferBatch.contiguous(region.spec, ["a"], [0], [16])
+
+    async def scenario() -> None:
+        copying, finish = asyncio.Event(), asyncio.Event()
+
+        async def slow_put(keys, ptrs, sizes, *, overwrite=False):  # type: ignore[no-untyped-def]
+            copying.set()
+            await finish.wait()
+            return [KeyStatus.OK] * len(keys)
+
+        backend.put = slow_put  # type: ignore[method-assign]
+        put = asyncio.ensure_future(store.put(batch))
+        await copying.wait()
+        release = asyncio.ensure_future(store.release_region(region.spec.region_id))
+        await asyncio.sleep(0.05)
+        assert not release.done() and len(backend.registered) == 1, "released mid-transfer"
+        finish.set()
+        assert await put == [KeyStatus.OK]
+        await asyncio.wait_for(release, 5)
+        assert backend.registered == [] and store.stats.regions == 0
+
+    asyncio.run(scenario())
+
+
 def test_sweep_drops_a_dead_creators_region():
     """The store's reconcile loop unmaps and unregisters a region once its creator closed
     it (or died), without any further transfer: the memory goes back to the kernel."""

@@ -83,7 +83,8 @@ def normal_priority(role: str) -> None:
         tids = [0]
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+            niceness = os.getpriority(os.PRIO_PROCESS, tid)
+            if niceness > 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
         except ProcessLookupError:
             continue  # the thread ended meanwhile
@@ -94,7 +95,7 @@ def normal_priority(role: str) -> None:
                 "RAY_worker_niceness=0 in its environment (e.g. `RAY_worker_niceness=0 ray "
                 "start ...`)",
                 role,
-                os.getpriority(os.PRIO_PROCESS, tid),
+                niceness,
                 exc,
             )
             return

@@ -133,10 +133,7 @@ class Lookups:
         index = self._index
         if index is None or not hashes:
             return None
-        if index.stale():  # its keeper restarted: map the new one next time
-            self._drop_index()
-            self._warn("index-gone", "the node's block index went away: lookups ask the "
-                       "Lookup actor until the scheduler maps the new one")  # fmt: skip
+        if self._index_gone(index):
             return None
         if index.age_s() > INDEX_STALE_S:
             self._stats.add("index_stale")
@@ -166,11 +163,16 @@ class Lookups:
             name = miss_counter(answer.miss)
             c[name] = c.get(name, 0) + n - answer.hits
 
-    def _drop_index(self) -> None:
-        """Unmap the node's index (its keeper is gone): lookups ask the Lookup actor."""
-        if self._index is not None:
-            self._index.close()
-            self._index = None
+    def _index_gone(self, index: BlockIndex) -> bool:
+        """Whether ``index``'s keeper is gone (restarted, or its pool stopped); if so it is
+        unmapped here and lookups ask the Lookup actor."""
+        if not index.stale():
+            return False
+        index.close()
+        self._index = None
+        self._warn("index-gone", "the node's block index went away: lookups ask the "
+                   "Lookup actor until the scheduler maps the new one")  # fmt: skip
+        return True
 
     def report(self, *, now: bool = False) -> None:
         """Send the index's lookup counters to the Lookup actor (one call, not waited
@@ -180,10 +182,8 @@ class Lookups:
         at = time.monotonic()
         if not now and at - self._checked_at >= REPORT_S:  # a stat: once a second at most
             self._checked_at = at
-            if self._index is not None and self._index.stale():
-                self._drop_index()
-                self._warn("index-gone", "the node's block index went away: lookups ask the "
-                           "Lookup actor until the scheduler maps the new one")  # fmt: skip
+            if self._index is not None:
+                self._index_gone(self._index)
         if self._counts and (now or at - self._reported_at >= REPORT_S):
             counts, self._counts = self._counts, {}
             self._reported_at = at

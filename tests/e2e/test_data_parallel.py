@@ -132,6 +132,16 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
             assert time.monotonic() < deadline, server.tail()
             time.sleep(0.2)
 
+    def stored(n: int) -> None:
+        """Wait until both tiers hold ``n`` blocks."""
+        deadline = time.monotonic() + 30
+        while True:
+            total = pool.stats().total
+            if total.put_keys >= n and total.ssd_put_keys >= n:
+                return
+            assert time.monotonic() < deadline, pool.stats().table()
+            time.sleep(0.2)
+
     try:
         server.wait_healthy(time.monotonic() + STARTUP_S)
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -142,6 +152,10 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         # and generate the same tokens.
         ps = [prompts(20 + i, 3 * 128 + 5) for i in range(4)]
         first = [_post(url, {**body, "prompt": p}, i % 2) for i, p in enumerate(ps)]
+        # A response can return before its blocks' save ends (vLLM frees them after).
+        # The next round's lookups would then find the SSD copy while the DRAM put still
+        # runs, and load from SSD: correct bytes, but not the DRAM loads counted below.
+        stored(12)
         again = [_post(url, {**body, "prompt": p}, (i + 1) % 2) for i, p in enumerate(ps)]
         for a, b in zip(first, again, strict=True):
             assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]

@@ -16,12 +16,12 @@ import ray
 from kvray import launcher, metrics
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
-from kvray.errors import BackendUnavailableError
+from kvray.errors import BackendUnavailableError, KVRayError
 from kvray.index_stream import IndexChange, IndexHub, IndexUpdate
 from kvray.ledger import Entries
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.remote import Handle, LookupHandle
-from kvray.servers.process import ServerProcess
+from kvray.servers.process import ServerProcess, is_loopback
 from kvray.servers.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -40,16 +40,20 @@ class PoolManagerActor:
         self._server: ServerProcess | None = None
         self._server_kind = spec.server_name
         self._resolved: dict[str, Any] = {}
+        self._node_id = ray.get_runtime_context().get_node_id()
+        cluster = ray.nodes()  # type: ignore[no-untyped-call]
+        me = next(n for n in cluster if n["NodeID"] == self._node_id)
+        self._node_ip: str = me["NodeManagerAddress"]
         address = config.configured_server
         if address is None:
-            self._server = spec.make_server(config)
+            alive = sum(1 for n in cluster if n["Alive"])
+            self._server = spec.make_server(config, config.listen_host(self._node_ip, alive))
             address = self._server.start()
             # What its clients need besides the address (MemCache: the config store's
             # url); the launcher passes it on in the rank actors' config.
             self._resolved = self._server.client_settings()
         self._address = address
         self._started_at = time.time()
-        self._node_id = ray.get_runtime_context().get_node_id()
         self._actor_config_json = launcher.actor_config(config, self._resolved)
         self._state = PoolState(config.name)
         self._making: dict[Any, asyncio.Lock] = {}
@@ -123,11 +127,49 @@ class PoolManagerActor:
                 f"pool {self._config.name!r} runs an embedded {spec.server_name} on node "
                 f"{self._node_id[:12]}, which cannot serve node {node_id[:12]}: {fix}"
             )
-        if spec.per_node_server(self._config):
-            cluster = await asyncio.to_thread(ray.nodes)
-            ips = {n["NodeID"]: n["NodeManagerAddress"] for n in cluster}
-            if node_id in ips:
-                spec.on_node(self._config, ips[node_id])  # ConfigError if it has no server
+        per_node = spec.per_node_server(self._config)
+        if node_id == self._node_id and not per_node:
+            return
+        cluster = await asyncio.to_thread(ray.nodes)
+        ip = {n["NodeID"]: n["NodeManagerAddress"] for n in cluster}.get(node_id)
+        if ip is None:
+            return
+        if per_node:
+            spec.on_node(self._config, ip)  # ConfigError if it has no server
+        elif ip != self._node_ip and is_loopback(self._address):
+            # (Two Ray nodes with one address share a host, and its loopback.)
+            raise BackendUnavailableError(self._loopback_refusal(ip))
+
+    def _loopback_refusal(self, ip: str) -> str:
+        """Why a client on the node Ray knows as ``ip`` cannot use this pool's server."""
+        config, kind = self._config, self._server_kind
+        where = f"{kind} at {self._address}, a loopback address of node {self._node_ip}"
+        if self._server is None:
+            field = ", ".join(f for f, _ in self._spec.reachability(config)) or "its address"
+            return (
+                f"pool {config.name!r} uses the {where}: on node {ip} that address is the "
+                f"node itself, not the server. Give {field} an address every node reaches"
+            )
+        why = (
+            "server_host: auto chose loopback because the Ray cluster had one node when "
+            "the pool started"
+            if config.server_host == "auto"
+            else f"server_host: {config.server_host}"
+        )
+        return (
+            f"pool {config.name!r} runs its embedded {where} ({why}), which node {ip} "
+            f"cannot reach. Restart the pool with server_host: node (kvray down "
+            f"{config.name}, then kvray up with it in the config) for clients on every node"
+        )
+
+    async def refusal(self, node_id: str) -> str | None:
+        """Why clients on ``node_id`` cannot use the pool's server (None: they can); an
+        attach from that node is refused with it."""
+        try:
+            await self._check_node(node_id)
+        except KVRayError as exc:
+            return str(exc)
+        return None
 
     async def node_actors(
         self, node_id: str, slot: int, env: dict[str, str] | None = None
@@ -208,7 +250,8 @@ class PoolManagerActor:
             "server_restarts": self._supervisor.restarts if self._supervisor else 0,
             "started_at": self._started_at,
             "node_pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": self._node_id,
+            "node_ip": self._node_ip,
             "resolved": self._resolved,
         }
 

@@ -97,10 +97,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         else:
             _connect(args)
             try:
-                status = asyncio.run(collect_status(launcher.attach(*_pool_ref(args))))
+                handles = launcher.attach(*_pool_ref(args), clients=False)
+                status = asyncio.run(collect_status(handles))
+                refusal = handles.manager.refusal(handles.node_id).result(60)
             except KVRayError as exc:
                 findings.append(doctor.Finding("warning", "running pool", str(exc)))
             else:
+                if refusal is not None:
+                    findings.append(doctor.Finding("error", "pool from this node", refusal))
                 down = [r for r in status.ranks if not r.alive]
                 findings.append(
                     doctor.Finding(
@@ -121,7 +125,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvray.pool import collect_status
 
     _connect(args)
-    handles = launcher.attach(*_pool_ref(args))
+    handles = launcher.attach(*_pool_ref(args), clients=False)
     if args.watch is None:
         status = asyncio.run(collect_status(handles))
         print(json.dumps(status.to_dict(), indent=2) if args.json else status.table())
@@ -171,7 +175,7 @@ async def _watch(
 def cmd_down(args: argparse.Namespace) -> int:
     _connect(args)
     name, namespace = _pool_ref(args)
-    launcher.shutdown(launcher.attach(name, namespace))
+    launcher.shutdown(launcher.attach(name, namespace, clients=False))
     print(f"kvray pool {name!r} stopped")
     return 0
 

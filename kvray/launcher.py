@@ -399,8 +399,10 @@ class ManagerLink:
             return None
 
 
-def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
-    """Handles to the running pool ``name``, for this process's node."""
+def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = True) -> PoolHandles:
+    """Handles to the running pool ``name``, for this process's node. ``clients``: this
+    process will store or load (refused, naming the fix, when this node cannot reach the
+    pool's server); False for status and teardown, which need no client here."""
     try:
         actor = ray.get_actor(manager_name(name), namespace=namespace)
     except ValueError as exc:
@@ -411,9 +413,12 @@ def attach(name: str = "kvray", namespace: str = "kvray") -> PoolHandles:
     manager = ManagerHandle(actor, f"pool {name!r} manager")
     spec = manager.spec().result(_START_TIMEOUT_S)
     config = PoolConfig.model_validate_json(spec["config_json"])
-    return PoolHandles(
-        config, spec["server_address"], bool(spec["embedded"]), manager, current_node_id()
-    )
+    node_id = current_node_id()
+    if clients and node_id != spec["node_id"]:
+        why = manager.refusal(node_id).result(_START_TIMEOUT_S)
+        if why is not None:
+            raise BackendUnavailableError(why)
+    return PoolHandles(config, spec["server_address"], bool(spec["embedded"]), manager, node_id)
 
 
 def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:

@@ -322,6 +322,10 @@ class ManagerHandle(Handle):
     def node_actors(self, node_id: str, slot: int, env: dict[str, str]) -> Call[NodeActors]:
         return self._call("node_actors", node_id, slot, env)
 
+    def refusal(self, node_id: str) -> Call[str | None]:
+        """Why clients on ``node_id`` cannot use the pool's server (None: they can)."""
+        return self._call("refusal", node_id)
+
     def lookup_actor(self, node_id: str, env: dict[str, str]) -> Call[LookupHandle]:
         return self._call("lookup_actor", node_id, env)
 

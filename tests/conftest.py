@@ -138,3 +138,29 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             return (yield)
         finally:
             fcntl.flock(run, fcntl.LOCK_UN)
+
+
+REQUIRE_MULTINODE = os.environ.get("KVRAY_REQUIRE_MULTINODE") == "1"
+"""CI (.ci/run) sets KVRAY_REQUIRE_MULTINODE=1: a multinode test that skips (its harness
+cannot run, vLLM missing) fails the run instead; what breaks across hosts must show."""
+
+
+def _no_multinode_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if REQUIRE_MULTINODE and report.skipped and report.nodeid.startswith("tests/multinode/"):
+        why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"KVRAY_REQUIRE_MULTINODE=1: a multinode test may not skip ({why})"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    _no_multinode_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    report = yield
+    _no_multinode_skip(report)
+    return report

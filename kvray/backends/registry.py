@@ -102,8 +102,9 @@ class BackendSpec:
     to the pool's actors)."""
     make_client: Callable[[PoolConfig, str, bool], Backend]
     """``(config, server_address, contribute_memory)``: a new client."""
-    make_server: Callable[[PoolConfig], ServerProcess]
-    """The embedded server for ``config`` (not started)."""
+    make_server: Callable[[PoolConfig, str], ServerProcess]
+    """``(config, host)``: the embedded server for ``config``, to listen on ``host``
+    (``PoolConfig.listen_host``; not started)."""
     reachability: Callable[[PoolConfig], list[tuple[str, str]]]
     """``(field, host:port)`` of every external server the config names."""
     forward_prefixes: tuple[str, ...] = ()
@@ -167,13 +168,13 @@ def _mooncake_for_rank(config: PoolConfig, rank: int) -> PoolConfig:
     return config.model_copy(update={"mooncake": mooncake})
 
 
-def _mooncake_master(pool: PoolConfig) -> MooncakeMaster:
+def _mooncake_master(pool: PoolConfig, host: str) -> MooncakeMaster:
     config = _mc(pool)
     log_dir = os.path.join(tempfile.gettempdir(), "kvray", config.name)
     master = config.master
     if config.mooncake.enable_ssd_offload and not master.enable_offload:
         master = master.model_copy(update={"enable_offload": True})
-    return MooncakeMaster(master, log_dir)
+    return MooncakeMaster(master, log_dir, host=host)
 
 
 def _mooncake_on_node(config: PoolConfig, node_ip: str) -> PoolConfig:
@@ -268,7 +269,8 @@ YUANRONG = BackendSpec(
     env_sections=("yuanrong",),
     config_vars=("DS_WORKER_ADDR",),
     make_client=_yuanrong_client,
-    make_server=lambda c: DatasystemWorker(_yr(c).datasystem, name=c.name),
+    # Loopback whatever server_host says: the worker serves its own node's shared memory.
+    make_server=lambda c, host: DatasystemWorker(_yr(c).datasystem, name=c.name),
     reachability=_yuanrong_reachability,
     device_setting=lambda c: (
         DeviceSetting("yuanrong.device", "npu", "host") if _yr(c).yuanrong.device == "npu" else None
@@ -315,7 +317,7 @@ MEMCACHE = BackendSpec(
     env_sections=("memcache", "memcache_meta"),
     config_vars=("MMC_LOCAL_CONFIG_PATH", "MMC_META_CONFIG_PATH"),
     make_client=_memcache_client,
-    make_server=lambda c: MetaService(_mmc(c).memcache_meta, name=c.name),
+    make_server=lambda c, host: MetaService(_mmc(c).memcache_meta, host=host, name=c.name),
     reachability=_memcache_reachability,
     device_setting=lambda c: (
         DeviceSetting("memcache.region", "device", "host")

@@ -9,6 +9,7 @@ same file either way; a section of another backend is refused, naming the fix.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from abc import abstractmethod
@@ -35,6 +36,8 @@ from kvray.config.ssd import SsdConfig
 from kvray.config.yuanrong import DatasystemWorkerConfig, YuanrongConfig
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+SERVER_HOSTS = ("auto", "node", "loopback")
+"""``server_host``'s words (else an IP address)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,22 @@ class PoolConfig(_Strict):
     pool's DRAM and SSD can hold: their bytes over the bytes of one key."""
     detached: bool = True
     """Pool actors outlive the process that started them (``kvray down`` stops them)."""
+    server_host: str = "auto"
+    """Where the pool's embedded server (the ``mooncake_master``, MemCache's MetaService)
+    listens, decided when the pool starts (``kvray up``, ``Pool.start``):
+
+    - ``auto`` (default): ``node`` when the Ray cluster has more than one alive node at
+      start, else ``loopback``;
+    - ``node``: the address Ray knows the manager's node by (the node the server runs on,
+      not necessarily the head), so that clients on every node reach it;
+    - ``loopback``: 127.0.0.1, reachable from the manager's node only;
+    - an IP address of the manager's node (another interface, e.g. the storage network).
+
+    Never 0.0.0.0: the server listens on one address, and clients are given that one. A
+    client on another node of a pool whose server listens on loopback is refused when it
+    attaches, naming the fix (restart the pool with ``server_host: node``). The embedded
+    datasystem worker always listens on loopback: it serves its own node's shared memory
+    (``yuanrong.node_worker_addresses`` gives every node its own worker)."""
 
     _tiers: Pipeline = PrivateAttr()
 
@@ -134,6 +153,26 @@ class PoolConfig(_Strict):
                 "worker that uses it (no placement group); delete the key"
             )
         return data
+
+    @model_validator(mode="after")
+    def _server_host(self) -> PoolConfig:
+        host = self.server_host
+        if host in SERVER_HOSTS:
+            return self
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"server_host {host!r}: write auto, node, loopback or an IP address of the "
+                "node the pool's manager runs on"
+            ) from None
+        if ip.is_unspecified:
+            raise ValueError(
+                f"server_host {host!r} would listen on every interface and give clients an "
+                "address nobody can connect to: write node (the address Ray knows the node "
+                "by) or one of the node's IP addresses"
+            )
+        return self
 
     @model_validator(mode="after")
     def _replicas(self) -> PoolConfig:
@@ -158,6 +197,16 @@ class PoolConfig(_Strict):
             raise ValueError(f"pipeline {self.pipeline!r} needs an ssd section (ssd.path, ...)")
         self._tiers = tiers
         return self
+
+    def listen_host(self, node_ip: str, alive_nodes: int) -> str:
+        """The address the embedded server listens on and clients are given, on a node
+        Ray knows as ``node_ip`` in a cluster of ``alive_nodes`` nodes (``server_host``)."""
+        host = self.server_host
+        if host == "auto":
+            host = "node" if alive_nodes > 1 else "loopback"
+        if host == "loopback":
+            return "127.0.0.1"
+        return node_ip if host == "node" else host
 
     @property
     def tiers(self) -> Pipeline:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import ipaddress
 import logging
 import shutil
 import signal
@@ -77,6 +78,18 @@ def why_unreachable(address: str, timeout_s: float = 3.0) -> str | None:
     except OSError as exc:
         return str(exc.strerror or exc)
     return None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a server address (``host:port``, ``tcp://host:port``, ``[v6]:port``)
+    names a loopback host: on another node it would be that node itself."""
+    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_reachable(host: str, port: int, timeout_s: float, error: str) -> None:

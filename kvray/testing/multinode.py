@@ -1,10 +1,13 @@
-"""Two Ray nodes on one machine that do NOT share /dev/shm, as two real hosts do not.
+"""Two Ray nodes on one machine that share no network and no /dev/shm, as two real hosts.
 
-Both nodes live in one private network namespace (loopback only; node A is 127.0.0.1,
-node B 127.0.0.2, both on ``lo``), each in its own mount namespace with its own tmpfs on
-/dev/shm. A cross-node shared-memory assumption fails here as on real hardware (kvray's
-regions are refused on another node, Ray's object stores are separate), and Mooncake
-traffic between the nodes goes over TCP. Processes are put on a node with ``nsenter``
+Each node lives in its own network namespace, joined to the other by a veth pair (node A
+is 10.77.0.1, node B 10.77.0.2; each also has its own loopback, which the other cannot
+reach), and in its own mount namespace with its own tmpfs on /dev/shm. So a server that
+listens on 127.0.0.1 on one node is out of the other's reach, as on real hosts; a
+cross-node shared-memory assumption fails as on real hardware (kvray's regions are
+refused on another node, Ray's object stores are separate); Mooncake traffic between
+the nodes goes over TCP on the veth link. The addresses exist only inside namespaces the
+harness creates: no traffic leaves them. Processes are put on a node with ``nsenter``
 into its namespaces; a driver joins Ray as that node through ``KVRAY_NODE_IP_ADDRESS``.
 Needs root (namespaces), util-linux and iproute2. Used by ``tests/multinode`` and
 ``scripts/bench_store.py --cross-node``.
@@ -29,6 +32,8 @@ from types import TracebackType
 from typing import Any
 
 RAY = str(Path(sys.executable).with_name("ray"))
+NODE_IPS = {"A": "10.77.0.1", "B": "10.77.0.2"}
+"""Each node's address on the link between them (inside the harness's namespaces only)."""
 RESULT = "KVRAY-RESULT "
 """Marks a helper's answer on stdout (Ray may print other lines there)."""
 _NODES_PROBE = (
@@ -60,9 +65,11 @@ def unavailable_reason() -> str | None:
         return "needs root for network and mount namespaces (CI runs as root)"
     if not (shutil.which("unshare") and shutil.which("nsenter") and shutil.which("ip")):
         return "needs unshare, nsenter and ip (util-linux, iproute2)"
-    probe = subprocess.run(["unshare", "--net", "--mount", "true"], capture_output=True)
+    # A network and mount namespace, with a veth pair inside (gone with the namespace).
+    veth = "ip link add kvray-p0 type veth peer name kvray-p1"
+    probe = subprocess.run(["unshare", "--net", "--mount", "sh", "-c", veth], capture_output=True)
     if probe.returncode != 0:
-        return f"cannot create namespaces here: {probe.stderr.decode().strip()}"
+        return f"cannot create namespaces and a veth pair here: {probe.stderr.decode().strip()}"
     return None
 
 
@@ -99,7 +106,7 @@ class TwoNodeCluster:
         self.cpus = cpus
         self.gpus = gpus
         self.raylet_env = dict(raylet_env or {})
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{NODE_IPS['A']}:{port}"
         self.nodes: dict[str, Node] = {}
 
     def __enter__(self) -> TwoNodeCluster:
@@ -128,18 +135,22 @@ class TwoNodeCluster:
         }
 
     def start(self) -> None:
-        holder = ["unshare", "--mount", "--propagation", "private", "sleep", "infinity"]
-        a = subprocess.Popen(["unshare", "--net", *holder[1:]])
-        self.nodes["A"] = Node("A", "127.0.0.1", a)
-        _wait_ns(a.pid)
-        subprocess.run(["nsenter", "-t", str(a.pid), "-n", "ip", "link", "set", "lo", "up"],
-                       check=True)  # fmt: skip
-        b = subprocess.Popen(["nsenter", "-t", str(a.pid), "-n", "--", *holder])
-        self.nodes["B"] = Node("B", "127.0.0.2", b)
-        _wait_ns(b.pid)
-        for node in self.nodes.values():
-            mount = ["mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", "/dev/shm"]
-            subprocess.run(node.argv(*mount), check=True)
+        holder = ["unshare", "--net", "--mount", "--propagation", "private", "sleep", "infinity"]
+        for name, ip in NODE_IPS.items():
+            node = self.nodes[name] = Node(name, ip, subprocess.Popen(holder))
+            _wait_ns(node.holder.pid)
+        a, b = self.nodes["A"], self.nodes["B"]
+        # The link between the nodes: one veth pair, each end made inside its node.
+        _ip("link", "add", "kvray-a", "netns", str(a.holder.pid), "type", "veth",
+            "peer", "name", "kvray-b", "netns", str(b.holder.pid))  # fmt: skip
+        for node, dev in ((a, "kvray-a"), (b, "kvray-b")):
+            for cmd in (
+                ("ip", "link", "set", "lo", "up"),
+                ("ip", "addr", "add", f"{node.ip}/24", "dev", dev),
+                ("ip", "link", "set", dev, "up"),
+                ("mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", "/dev/shm"),
+            ):
+                subprocess.run(node.argv(*cmd), check=True, capture_output=True)
         head = self.nodes["A"]
         head.raylet = self._ray_start(
             head, "--head", "--port", str(self.port), "--include-dashboard", "false"
@@ -250,6 +261,12 @@ class TwoNodeCluster:
             self.kill_node(node.name)
             node.holder.kill()
             node.holder.wait(10)
+
+
+def _ip(*args: str) -> None:
+    res = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise HarnessError(f"ip {' '.join(args)} failed: {res.stderr.strip()}")
 
 
 def _wait_ns(pid: int, timeout_s: float = 10.0) -> None:

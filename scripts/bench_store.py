@@ -30,7 +30,8 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
 kvray is compared with the stronger raw path of the same shape. Every rep is in the JSON.
 
 ``--cross-node`` measures gets whose blocks live on another node instead: on two Ray
-nodes of this machine that share no /dev/shm (``kvray.testing.multinode``, needs root),
+nodes of this machine that share no network and no /dev/shm (``kvray.testing.multinode``:
+a network namespace each, joined by a veth pair; needs root),
 a pool started on node A stores the blocks in A's segment; on node B, kvray's
 ``Pool.get`` (B's BackendClient actor reads A's segment into B's shared region) and the
 raw Mooncake client in the B driver process (``batch_get_into`` from A's segment, the
@@ -249,7 +250,7 @@ def cross_node(args: argparse.Namespace) -> int:
     log(f"== cross-node gets: {blocks} blocks x {args.block_kib} KiB = {nbytes >> 20} MiB, "
         f"{args.reps} reps (+1 warm-up), interleaved")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvray-xn-") as tmp:
-        log("== starting two Ray nodes (private network, separate /dev/shm)")
+        log("== starting two Ray nodes (a network namespace and /dev/shm each, a veth link)")
         with TwoNodeCluster(Path(tmp)) as cluster:
             log("== node A: pool + blocks into A's segment")
             stored = result_of(
@@ -269,7 +270,8 @@ def cross_node(args: argparse.Namespace) -> int:
         "reps_s": reps,
         "params": {"blocks": blocks, "block_bytes": block, "reps": args.reps,
                    "io_threads": args.io_threads,
-                   "cpus": os.cpu_count(), "transport": "tcp (loopback between namespaces)"},
+                   "cpus": os.cpu_count(),
+                   "transport": "tcp over a veth pair between network namespaces"},
     }  # fmt: skip
     print()
     print(f"{'cross-node get':<26}{'GB/s':>8}{'vs raw':>8}   reps (ms)")

@@ -79,6 +79,8 @@ class Node:
     ip: str
     holder: subprocess.Popen[bytes]
     """A process that keeps the node's namespaces alive."""
+    dev: str
+    """Its end of the link between the nodes (a network device in its namespace)."""
     raylet: subprocess.Popen[bytes] | None = None
     """``ray start --block`` of the node."""
 
@@ -93,7 +95,7 @@ class TwoNodeCluster:
         self,
         tmp: Path,
         *,
-        port: int = 6399,
+        port: int = 6379,
         cpus: int = 4,
         gpus: int = 0,
         raylet_env: dict[str, str] | None = None,
@@ -130,6 +132,9 @@ class TwoNodeCluster:
             "RAY_ADDRESS": self.address,
             "KVRAY_NODE_IP_ADDRESS": node.ip,
             "VLLM_HOST_IP": node.ip,  # vLLM's "this node's address" (else: the default route)
+            # torch's gloo (vLLM's CPU process groups) binds where the host name resolves,
+            # here a loopback address the other node cannot reach: the link instead.
+            "GLOO_SOCKET_IFNAME": node.dev,
             "PYTHONUNBUFFERED": "1",
             **extra,
         }
@@ -137,17 +142,18 @@ class TwoNodeCluster:
     def start(self) -> None:
         holder = ["unshare", "--net", "--mount", "--propagation", "private", "sleep", "infinity"]
         for name, ip in NODE_IPS.items():
-            node = self.nodes[name] = Node(name, ip, subprocess.Popen(holder))
+            node = Node(name, ip, subprocess.Popen(holder), f"kvray-{name.lower()}")
+            self.nodes[name] = node
             _wait_ns(node.holder.pid)
         a, b = self.nodes["A"], self.nodes["B"]
         # The link between the nodes: one veth pair, each end made inside its node.
-        _ip("link", "add", "kvray-a", "netns", str(a.holder.pid), "type", "veth",
-            "peer", "name", "kvray-b", "netns", str(b.holder.pid))  # fmt: skip
-        for node, dev in ((a, "kvray-a"), (b, "kvray-b")):
+        _ip("link", "add", a.dev, "netns", str(a.holder.pid), "type", "veth",
+            "peer", "name", b.dev, "netns", str(b.holder.pid))  # fmt: skip
+        for node in (a, b):
             for cmd in (
                 ("ip", "link", "set", "lo", "up"),
-                ("ip", "addr", "add", f"{node.ip}/24", "dev", dev),
-                ("ip", "link", "set", dev, "up"),
+                ("ip", "addr", "add", f"{node.ip}/24", "dev", node.dev),
+                ("ip", "link", "set", node.dev, "up"),
                 ("mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", "/dev/shm"),
             ):
                 subprocess.run(node.argv(*cmd), check=True, capture_output=True)

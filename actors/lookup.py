@@ -18,7 +18,7 @@ from kvray.config import PoolConfig
 from kvray.errors import KVRayError
 from kvray.index_stream import INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
-from kvray.launcher import ManagerLink, on_this_node
+from kvray.launcher import ManagerLink, current_settings, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService, Place, Placement
 from kvray.metrics import export_forever
@@ -32,6 +32,7 @@ class LookupActor:
     def __init__(self, config_json: str, server_address: str) -> None:
         logging.basicConfig(level=logging.INFO)
         normal_priority("Lookup actor")
+        config_json, server_address = current_settings(config_json, server_address)
         config = on_this_node(PoolConfig.model_validate_json(config_json))
         self._node_id = ray.get_runtime_context().get_node_id()
         self._config = config

@@ -6,6 +6,7 @@ MemCache MetaService."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -33,7 +34,9 @@ class PoolManagerActor:
     """One per pool. The embedded server is its child and dies with it; the node actors
     it makes are its own (a non-detached pool's die with it)."""
 
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, config_json: str, nodes_at_start: int = 1) -> None:
+        """``nodes_at_start``: the Ray cluster's alive nodes when the pool was started
+        (``server_host: auto`` decides by it, the same way again after a restart)."""
         self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
         self._spec = spec = spec_of(config.backend)
@@ -46,8 +49,8 @@ class PoolManagerActor:
         self._node_ip: str = me["NodeManagerAddress"]
         address = config.configured_server
         if address is None:
-            alive = sum(1 for n in cluster if n["Alive"])
-            self._server = spec.make_server(config, config.listen_host(self._node_ip, alive))
+            host = config.listen_host(self._node_ip, nodes_at_start)
+            self._server = spec.make_server(config, host)
             address = self._server.start()
             # What its clients need besides the address (MemCache: the config store's
             # url); the launcher passes it on in the rank actors' config.
@@ -61,6 +64,41 @@ class PoolManagerActor:
         self._tasks: list[asyncio.Task[None]] = []
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._take_back(cluster)
+
+    def _take_back(self, cluster: list[dict[str, Any]]) -> None:
+        """After a restart (Ray restarts the manager when it dies; when its node was
+        lost, on another node): take back the node actors the last run made, found by
+        name, and, with an embedded server (run anew here, at another address if the
+        node changed; what the last one held is gone), restart the clients and Lookup
+        actors, which ask this manager for the current server as they start. Engines
+        keep their handles: a restarted client maps an engine's region again on its
+        first transfer, and the node channel re-attaches."""
+        alive = {n["NodeID"] for n in cluster if n["Alive"]}
+        nodes, lookups = launcher.find_node_actors(self._config, alive)
+        for actors in nodes:
+            self._state.nodes[(actors.node_id, actors.slot)] = actors
+        self._state.lookups.update(lookups)
+        if self._server is not None:
+            restart = [a.client for a in nodes] + list(lookups.values())
+            for handle in restart:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(handle.actor, no_restart=False)
+        logger.warning(
+            "pool %s: the manager restarted on node %s (%s); %s at %s; took back %d "
+            "client(s) and %d Lookup actor(s)%s",
+            self._config.name,
+            self._node_id[:12],
+            self._node_ip,
+            f"the embedded {self._server_kind} runs anew (what it held is gone)"
+            if self._server is not None
+            else f"the {self._server_kind}",
+            self._address,
+            len(nodes),
+            len(lookups),
+            ", restarted to use it" if self._server is not None else "",
+        )
 
     def _ensure_reconciler(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.

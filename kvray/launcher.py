@@ -47,6 +47,7 @@ from kvray.naming import (
     client_name,
     lookup_name,
     manager_name,
+    parse_node_actor,
     placement_group_name,
     region_prefix,
     ssd_name,
@@ -201,6 +202,8 @@ def launch(config: PoolConfig) -> PoolHandles:
     started = time.monotonic()
     config_json = config.model_dump_json()
     node_id = current_node_id()
+    cluster: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    nodes = len([n for n in cluster if n["Alive"]])
     actor = (
         ray.remote(PoolManagerActor)
         .options(
@@ -208,11 +211,13 @@ def launch(config: PoolConfig) -> PoolHandles:
                 config,
                 manager_name(config.name),
                 num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=_on_node(node_id),
+                # Restarted by Ray when it dies: on this node while it lives, else on
+                # another (the pool comes back there: PoolManagerActor's restart).
+                max_restarts=-1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
             )
         )
-        .remote(config_json)
+        .remote(config_json, nodes)
     )
     manager = ManagerHandle(actor, f"pool {config.name!r} manager")
     try:
@@ -333,6 +338,62 @@ def actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
     """The config the rank actors get: the pool's, with what the embedded server chose
     (MemCache clients need the MetaService's config-store url as well as its url)."""
     return with_client_settings(config, resolved).model_dump_json()
+
+
+def current_settings(config_json: str, server_address: str) -> tuple[str, str]:
+    """A node actor's config and server address: those it was made with, or, when Ray
+    restarted it, the manager's current ones (a restarted manager runs its embedded
+    server anew, on another node when its own was lost, and restarts the node actors
+    that talk to it)."""
+    if not ray.get_runtime_context().was_current_actor_reconstructed:
+        return config_json, server_address
+    config = PoolConfig.model_validate_json(config_json)
+    try:
+        actor = ray.get_actor(manager_name(config.name), namespace=config.namespace)
+        spec = ManagerHandle(actor, f"pool {config.name!r} manager").spec().result(_START_TIMEOUT_S)
+    except (ValueError, KVRayError) as exc:
+        logger.warning(
+            "pool %s: a restarted actor did not get the pool's current server from the "
+            "manager (%s); it keeps %s",
+            config.name,
+            exc,
+            server_address,
+        )
+        return config_json, server_address
+    current = PoolConfig.model_validate_json(spec["config_json"])
+    return actor_config(current, spec["resolved"]), str(spec["server_address"])
+
+
+def find_node_actors(
+    config: PoolConfig, alive: set[str]
+) -> tuple[list[NodeActors], dict[str, LookupHandle]]:
+    """The node actors of pool ``config`` that live on the nodes ``alive``, found by
+    their names (what a restarted manager takes back)."""
+    found: dict[tuple[str, str, int | None], Any] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_node_actor(config.name, entry["name"])
+        if entry["namespace"] != config.namespace or parsed is None or parsed[1] not in alive:
+            continue
+        with contextlib.suppress(ValueError):  # gone since it was listed
+            found[parsed] = ray.get_actor(entry["name"], namespace=config.namespace)
+    nodes = [
+        NodeActors(
+            node_id,
+            slot,
+            StoreHandle(actor, f"BackendClient[{slot}]@{node_id[:8]}"),
+            StoreHandle(found[("ssd", node_id, slot)], f"SsdOffload[{slot}]@{node_id[:8]}")
+            if ("ssd", node_id, slot) in found
+            else None,
+        )
+        for (kind, node_id, slot), actor in sorted(found.items(), key=str)
+        if kind == "client" and slot is not None
+    ]
+    lookups = {
+        node_id: LookupHandle(actor, f"Lookup@{node_id[:8]}")
+        for (kind, node_id, _), actor in found.items()
+        if kind == "lookup"
+    }
+    return nodes, lookups
 
 
 def on_this_node(config: PoolConfig) -> PoolConfig:

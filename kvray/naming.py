@@ -26,6 +26,20 @@ def ssd_name(pool: str, node_id: str, slot: int) -> str:
     return f"{pool}.ssd.{node_id}.{slot}"
 
 
+def parse_node_actor(pool: str, name: str) -> tuple[str, str, int | None] | None:
+    """``(kind, node_id, slot)`` of one of pool ``pool``'s node actors named ``name``
+    (kind: ``client``, ``ssd`` or ``lookup``, whose slot is None); None for other names."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != pool:
+        return None
+    kind, node_id, rest = parts[1], parts[2], parts[3:]
+    if kind == "lookup" and not rest:
+        return kind, node_id, None
+    if kind in ("client", "ssd") and len(rest) == 1 and rest[0].isdigit():
+        return kind, node_id, int(rest[0])
+    return None
+
+
 def placement_group_name(pool: str) -> str:
     """The placement group pools of kvray versions before per-node clients used."""
     return f"{pool}.pg"

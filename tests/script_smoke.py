@@ -28,7 +28,7 @@ SMOKE_TESTS = {
     "bench_layerwise.py": "tests/e2e/test_scripts.py",
     "bench_serve.py": "tests/e2e/test_scripts.py",
     "bench_ssd.py": "tests/integration/test_scripts.py",
-    "bench_store.py": "tests/integration/test_scripts.py",
+    "bench_store.py": "tests/integration/test_scripts.py",  # --cross-node: tests/multinode
     "bench_ttft.py": "tests/e2e/test_scripts.py",
     "datasystem_cluster.py": "tests/integration/test_scripts.py",
     "demo_pool.py": "tests/integration/test_scripts.py",

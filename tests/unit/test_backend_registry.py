@@ -43,9 +43,11 @@ def test_embedded_or_external_server(backend, server, cls, external):
     spec = spec_of(backend)
     embedded = PoolConfig.from_dict({"backend": backend}, environ={})
     assert embedded.configured_server is None
-    made = spec.make_server(embedded)
+    made = spec.make_server(embedded, "10.0.0.2")
     try:
         assert isinstance(made, cls) and made.what == server == spec.server_name
+        # where server_host says; the datasystem worker serves its own node: loopback
+        assert made.host == ("127.0.0.1" if backend == "yuanrong" else "10.0.0.2")
     finally:
         made.stop()  # removes the directory it made
     ext = PoolConfig.from_dict({"backend": backend, **external}, environ={})
@@ -60,7 +62,7 @@ def test_embedded_master_offloads_with_the_clients():
     cfg = PoolConfig.from_dict(
         {"mooncake": {"enable_ssd_offload": True, "ssd_offload_path": "/tmp"}}, environ={}
     )
-    master = spec_of("mooncake").make_server(cfg)
+    master = spec_of("mooncake").make_server(cfg, "127.0.0.1")
     assert isinstance(master, MooncakeMaster) and master.config.enable_offload
 
 

@@ -80,7 +80,9 @@ class BackendClientActor:
 
     async def _report(self) -> None:
         """Send the blocks stored and removed to the pool's ledger every FLUSH_S."""
-        manager = ManagerLink(self._config, "BackendClient", "its misses read as never stored")
+        manager = ManagerLink(
+            self._config, "BackendClient", "its misses read as never stored", recreate=True
+        )
         while True:
             await asyncio.sleep(FLUSH_S)
             changes = self._tiers.take_changes()

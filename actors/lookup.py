@@ -70,7 +70,7 @@ class LookupActor:
         """Follow the manager's ledger (what tells an evicted block from one never
         stored): one small call every FLUSH_S, never on a lookup's path."""
         manager = ManagerLink(
-            self._config, "Lookup", "misses read as never stored until it answers"
+            self._config, "Lookup", "misses read as never stored until it answers", recreate=True
         )
         seq = 0
         while True:

@@ -34,9 +34,10 @@ class PoolManagerActor:
     """One per pool. The embedded server is its child and dies with it; the node actors
     it makes are its own (a non-detached pool's die with it)."""
 
-    def __init__(self, config_json: str, nodes_at_start: int = 1) -> None:
+    def __init__(self, config_json: str, nodes_at_start: int = 1, take_back: bool = False) -> None:
         """``nodes_at_start``: the Ray cluster's alive nodes when the pool was started
-        (``server_host: auto`` decides by it, the same way again after a restart)."""
+        (``server_host: auto`` decides by it, the same way again after a restart);
+        ``take_back``: made again after the last manager's node was lost."""
         self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
         self._spec = spec = spec_of(config.backend)
@@ -64,17 +65,19 @@ class PoolManagerActor:
         self._tasks: list[asyncio.Task[None]] = []
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        self._nodes_at_start = nodes_at_start
+        if take_back or ray.get_runtime_context().was_current_actor_reconstructed:
             self._take_back(cluster)
 
     def _take_back(self, cluster: list[dict[str, Any]]) -> None:
-        """After a restart (Ray restarts the manager when it dies; when its node was
-        lost, on another node): take back the node actors the last run made, found by
-        name, and, with an embedded server (run anew here, at another address if the
-        node changed; what the last one held is gone), restart the clients and Lookup
-        actors, which ask this manager for the current server as they start. Engines
-        keep their handles: a restarted client maps an engine's region again on its
-        first transfer, and the node channel re-attaches."""
+        """After a restart (Ray restarts the manager when it dies on a live node), or
+        made again on another node by a node actor after its node was lost: take back
+        the node actors the last manager made, found by name, and, with an embedded
+        server (run anew here, at another address if the node changed; what the last one
+        held is gone), restart the clients and Lookup actors, which ask this manager for
+        the current server as they start. Engines keep their handles: a restarted client
+        maps an engine's region again on its first transfer, and the node channel
+        re-attaches."""
         alive = {n["NodeID"] for n in cluster if n["Alive"]}
         nodes, lookups = launcher.find_node_actors(self._config, alive)
         for actors in nodes:
@@ -86,7 +89,7 @@ class PoolManagerActor:
                 with contextlib.suppress(ray.exceptions.RayError):
                     ray.kill(handle.actor, no_restart=False)
         logger.warning(
-            "pool %s: the manager restarted on node %s (%s); %s at %s; took back %d "
+            "pool %s: the manager runs again on node %s (%s); %s at %s; took back %d "
             "client(s) and %d Lookup actor(s)%s",
             self._config.name,
             self._node_id[:12],
@@ -291,6 +294,7 @@ class PoolManagerActor:
             "node_id": self._node_id,
             "node_ip": self._node_ip,
             "resolved": self._resolved,
+            "nodes_at_start": self._nodes_at_start,
         }
 
     async def stop(self) -> None:

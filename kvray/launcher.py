@@ -190,11 +190,30 @@ def current_node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
+def _manager_actor(config: PoolConfig, node_id: str, nodes: int, *, take_back: bool) -> Any:
+    """The pool's manager on ``node_id`` (the running one if there is one). Pinned there
+    (Ray's soft node affinity placed 6 of 6 test actors on another node of two): Ray
+    restarts it there after a crash; when the node is lost, a node actor of the pool on
+    another node makes it again on its own (:class:`ManagerLink`)."""
+    from kvray.actors.manager import PoolManagerActor
+
+    opts = _options(
+        config,
+        manager_name(config.name),
+        num_cpus=0,
+        max_restarts=-1,
+        scheduling_strategy=_on_node(node_id),
+    )
+    return (
+        ray.remote(PoolManagerActor)
+        .options(**opts)
+        .remote(config.model_dump_json(), nodes, take_back)
+    )
+
+
 def launch(config: PoolConfig) -> PoolHandles:
     """Start the pool ``config`` describes, or return the running one of that name; the
     calling node's clients of slots ``0..world_size-1`` are up when this returns."""
-    from kvray.actors.manager import PoolManagerActor
-
     if not ray.is_initialized():
         raise BackendUnavailableError(
             "Ray is not initialized: call ray.init() (or kvray.ray_env.ray_init()) first"
@@ -204,21 +223,7 @@ def launch(config: PoolConfig) -> PoolHandles:
     node_id = current_node_id()
     cluster: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     nodes = len([n for n in cluster if n["Alive"]])
-    actor = (
-        ray.remote(PoolManagerActor)
-        .options(
-            **_options(
-                config,
-                manager_name(config.name),
-                num_cpus=0,
-                # Restarted by Ray when it dies: on this node while it lives, else on
-                # another (the pool comes back there: PoolManagerActor's restart).
-                max_restarts=-1,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-            )
-        )
-        .remote(config_json, nodes)
-    )
+    actor = _manager_actor(config, node_id, nodes, take_back=False)
     manager = ManagerHandle(actor, f"pool {config.name!r} manager")
     try:
         spec = manager.spec().result(_START_TIMEOUT_S)
@@ -432,23 +437,55 @@ async def _check_started(
 class ManagerLink:
     """A pool actor's calls to its manager (for background work: the ledger): the manager
     is found on first use and again after a failure; a failed call answers None and is
-    logged once, with ``consequence``."""
+    logged once, with ``consequence``.
 
-    def __init__(self, config: PoolConfig, who: str, consequence: str) -> None:
+    ``recreate`` (the node actors of a detached pool): when the manager is gone for good
+    (its node was lost: it is pinned there, so Ray does not restart it elsewhere), make
+    it again on this node, from the pool config and start-time node count the manager
+    gave when first found. With several such actors, one makes it (``get_if_exists``);
+    the new manager takes back the live nodes' actors (PoolManagerActor._take_back)."""
+
+    def __init__(
+        self, config: PoolConfig, who: str, consequence: str, *, recreate: bool = False
+    ) -> None:
         self._config = config
         self._who = who
         self._consequence = consequence
         self._manager: ManagerHandle | None = None
         self._warned = False
+        self._recreate = recreate and config.detached
+        self._pool: tuple[str, int] | None = None
+        """The pool's own config (JSON) and its node count at start, from the manager."""
+
+    async def _find(self) -> ManagerHandle:
+        name, namespace = manager_name(self._config.name), self._config.namespace
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
+        except ValueError:
+            if self._pool is None:
+                raise
+            pool_json, nodes = self._pool
+            logger.warning(
+                "kvray %s: the manager of pool %s is gone (its node was lost); making it "
+                "again on this node",
+                self._who,
+                self._config.name,
+            )
+            config = PoolConfig.model_validate_json(pool_json)
+            actor = await asyncio.to_thread(
+                _manager_actor, config, current_node_id(), nodes, take_back=True
+            )
+        handle = ManagerHandle(actor, f"pool {self._config.name!r} manager")
+        if self._recreate and self._pool is None:
+            spec = await handle.spec().aresult(self._config.call_timeout_s)
+            self._pool = (str(spec["config_json"]), int(spec["nodes_at_start"]))
+        return handle
 
     async def call(self, ask: Callable[[ManagerHandle], Call[_T]]) -> _T | None:
         """``ask(manager)``'s answer, or None (logged once) when it fails."""
         try:
             if self._manager is None:
-                actor = await asyncio.to_thread(
-                    ray.get_actor, manager_name(self._config.name), namespace=self._config.namespace
-                )
-                self._manager = ManagerHandle(actor, f"pool {self._config.name!r} manager")
+                self._manager = await self._find()
             call = ask(self._manager)
             return await call.aresult(self._config.call_timeout_s)
         except (ValueError, KVRayError) as exc:

@@ -180,7 +180,7 @@ class TwoNodeCluster:
             return []
         return list(result_of(res.stdout))
 
-    def wait_nodes(self, n: int, timeout_s: float = 90.0) -> None:
+    def wait_nodes(self, n: int, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for node in self.nodes.values():

@@ -7,6 +7,9 @@ joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSO
     node_driver.py attach POOL                 attach for data: refused, with why, or not
     node_driver.py start-ssd POOL PATH         the same with kvray's SSD tier (mooncake|ssd)
                                                under PATH (a node-local path: each node's)
+    node_driver.py start-yuanrong POOL WORKERS a yuanrong pool; WORKERS: JSON, node IP to
+                                               that node's datasystem worker (this node's
+                                               is the pool's worker_address)
     node_driver.py drop-dram POOL              remove every block from Mooncake's DRAM
                                                (the SSD tier keeps its copies)
     node_driver.py put POOL KEY SEED [N]       put N random bytes (seeded) under KEY
@@ -61,6 +64,24 @@ def main() -> int:
             # so the node index would still show those blocks in DRAM (a hit either way).
             config["lookup_index"] = False
         pool = Pool.start(config)
+        out = {"node": me, "server": pool.server_address}
+        pool.close()
+    elif cmd == "start-yuanrong":
+        import json
+
+        workers = json.loads(args[1])
+        pool = Pool.start(
+            {
+                "name": args[0],
+                "backend": "yuanrong",
+                "world_size": 1,
+                "detached": True,
+                "yuanrong": {
+                    "worker_address": workers[os.environ["KVRAY_NODE_IP_ADDRESS"]],
+                    "node_worker_addresses": workers,
+                },
+            }
+        )
         out = {"node": me, "server": pool.server_address}
         pool.close()
     elif cmd == "drop-dram":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,15 +54,28 @@ def wait_healthy(two_nodes: Any, procs: list[tuple[subprocess.Popen[bytes], Path
 
 
 def stop(procs: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    """SIGTERM each server's process group (each started in a session of its own: a
+    shell and what it started, vLLM's API servers, engine cores and workers), then
+    SIGKILL what is left of it."""
     for proc, _ in procs:
-        if proc.poll() is None:
-            proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
     for proc, _ in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        # (poll reaps the leader: a zombie would keep its group "alive")
+        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+            time.sleep(0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

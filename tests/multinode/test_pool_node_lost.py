@@ -7,8 +7,9 @@ with the names swapped.) What must hold:
 
 - while B is down, every request is served, with the same tokens as before: a load that
   fails is recomputed, never used;
-- the pool comes back by itself: Ray restarts the manager on a live node (A), which runs
-  the embedded master anew there, takes back the node actors its last run made, and
+- the pool comes back by itself: the pool's node actors on A find the manager gone and
+  make it again on A (Ray does not: the manager is pinned to its node), which runs the
+  embedded master anew there, takes back the node actors the last one made, and
   restarts the ones that talk to the master so that they use the new one;
 - B restarted (a new Ray node id) joins; the engine, never restarted, hits again.
 """
@@ -107,8 +108,8 @@ def test_the_pools_node_lost_and_back_while_an_engine_on_another_node_serves(
                                         during), during  # fmt: skip
         assert all(loaded == 0 for _, _, loaded, _ in during), during  # nothing old served
 
-        # The pool comes back by itself: the manager restarted on A (B is down), its
-        # master there.
+        # The pool comes back by itself: made again on A by A's node actors, its master
+        # there.
         deadline = time.monotonic() + 240
         while True:
             status = _status(two_nodes)

@@ -57,7 +57,7 @@ script's ``version("vllm")`` fails before it parses a flag)."""
 SHIM = f"""
 vllm() {{  # vLLM's CLI, with the tiny model's flags and the API on node 1's loopback
   [ "$1" = serve ] || {{ echo "the recipe runs only vllm serve" >&2; return 2; }}
-  python -c "{VLLM_CLI}" "$@" --dtype float32 --enforce-eager --max-model-len 4096 \\
+  exec python -c "{VLLM_CLI}" "$@" --dtype float32 --enforce-eager --max-model-len 4096 \\
     --host 127.0.0.1 --port {PORT}
 }}
 """

@@ -47,6 +47,7 @@ baseline) fetch them, reps interleaved, every rep recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -253,8 +254,15 @@ def cross_node(args: argparse.Namespace) -> int:
     log(f"== cross-node gets: {blocks} blocks x {args.block_kib} KiB = {nbytes >> 20} MiB, "
         f"{args.reps} reps (+1 warm-up), interleaved")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvray-xn-") as tmp:
-        log("== starting two Ray nodes (a network namespace and /dev/shm each, a veth link)")
-        with TwoNodeCluster(Path(tmp)) as cluster:
+        running: contextlib.AbstractContextManager[TwoNodeCluster]
+        if args.harness is not None:
+            log(f"== on the running harness of {args.harness}")
+            described = json.loads(args.harness.read_text())
+            running = contextlib.nullcontext(TwoNodeCluster.attached(described, Path(tmp)))
+        else:
+            log("== starting two Ray nodes (a network namespace and /dev/shm each, a veth link)")
+            running = TwoNodeCluster(Path(tmp))
+        with running as cluster:
             log("== node A: pool + blocks into A's segment")
             stored = result_of(
                 cluster.run_script("A", __file__, "--xn-role", "store", *common, timeout=600).stdout
@@ -305,6 +313,12 @@ def main() -> int:
     parser.add_argument("--lookup-reps", type=int, default=200)
     parser.add_argument("--backend", choices=["mooncake", "yuanrong"], default="mooncake")
     parser.add_argument("--cross-node", action="store_true", help="gets from another node")
+    parser.add_argument(
+        "--harness",
+        type=Path,
+        help="--cross-node on a running multi-node harness (the JSON of its describe()) "
+        "instead of two nodes of its own",
+    )
     parser.add_argument(
         "--io-threads", type=int, default=4, help="kvray's io_threads, and the raw client's threads"
     )

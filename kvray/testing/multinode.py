@@ -77,15 +77,15 @@ def unavailable_reason() -> str | None:
 class Node:
     name: str
     ip: str
-    holder: subprocess.Popen[bytes]
-    """A process that keeps the node's namespaces alive."""
+    pid: int
+    """The process that keeps the node's namespaces alive."""
     dev: str
     """Its end of the link between the nodes (a network device in its namespace)."""
     raylet: subprocess.Popen[bytes] | None = None
     """``ray start --block`` of the node."""
 
     def argv(self, *cmd: str) -> list[str]:
-        return ["nsenter", "-t", str(self.holder.pid), "-n", "-m", "--", *cmd]
+        return ["nsenter", "-t", str(self.pid), "-n", "-m", "--", *cmd]
 
 
 class TwoNodeCluster:
@@ -110,6 +110,24 @@ class TwoNodeCluster:
         self.raylet_env = dict(raylet_env or {})
         self.address = f"{NODE_IPS['A']}:{port}"
         self.nodes: dict[str, Node] = {}
+        self._holders: list[subprocess.Popen[bytes]] = []
+
+    def describe(self) -> dict[str, Any]:
+        """What :meth:`attached` needs to run processes on this running harness."""
+        return {
+            "port": self.port,
+            "raylet_env": self.raylet_env,
+            "nodes": {n.name: [n.ip, n.pid, n.dev] for n in self.nodes.values()},
+        }
+
+    @classmethod
+    def attached(cls, described: dict[str, Any], tmp: Path) -> TwoNodeCluster:
+        """A handle to a harness that runs already (its :meth:`describe`), to run
+        processes on its nodes; it starts and stops nothing."""
+        cluster = cls(tmp, port=described["port"], raylet_env=described["raylet_env"])
+        for name, (ip, pid, dev) in described["nodes"].items():
+            cluster.nodes[name] = Node(name, ip, pid, dev)
+        return cluster
 
     def __enter__(self) -> TwoNodeCluster:
         try:
@@ -142,13 +160,15 @@ class TwoNodeCluster:
     def start(self) -> None:
         holder = ["unshare", "--net", "--mount", "--propagation", "private", "sleep", "infinity"]
         for name, ip in NODE_IPS.items():
-            node = Node(name, ip, subprocess.Popen(holder), f"kvray-{name.lower()}")
+            proc = subprocess.Popen(holder)
+            self._holders.append(proc)
+            node = Node(name, ip, proc.pid, f"kvray-{name.lower()}")
             self.nodes[name] = node
-            _wait_ns(node.holder.pid)
+            _wait_ns(node.pid)
         a, b = self.nodes["A"], self.nodes["B"]
         # The link between the nodes: one veth pair, each end made inside its node.
-        _ip("link", "add", a.dev, "netns", str(a.holder.pid), "type", "veth",
-            "peer", "name", b.dev, "netns", str(b.holder.pid))  # fmt: skip
+        _ip("link", "add", a.dev, "netns", str(a.pid), "type", "veth",
+            "peer", "name", b.dev, "netns", str(b.pid))  # fmt: skip
         for node in (a, b):
             for cmd in (
                 ("ip", "link", "set", "lo", "up"),
@@ -196,10 +216,10 @@ class TwoNodeCluster:
         workers and kvray's actors there: all share its mount namespace); returns how
         many died."""
         node = self.nodes[name]
-        ns = os.readlink(f"/proc/{node.holder.pid}/ns/mnt")
+        ns = os.readlink(f"/proc/{node.pid}/ns/mnt")
         victims = 0
         for proc in Path("/proc").glob("[0-9]*"):
-            if int(proc.name) == node.holder.pid:
+            if int(proc.name) == node.pid:
                 continue
             with contextlib.suppress(OSError):
                 if os.readlink(proc / "ns" / "mnt") == ns:
@@ -265,8 +285,9 @@ class TwoNodeCluster:
         for node in self.nodes.values():
             # Whatever a test left on the node (a killed node's leftovers) goes with it.
             self.kill_node(node.name)
-            node.holder.kill()
-            node.holder.wait(10)
+        for holder in self._holders:
+            holder.kill()
+            holder.wait(10)
 
 
 def _ip(*args: str) -> None:

@@ -14,10 +14,8 @@ processes only where the process is the point: SIGKILL, and hash seeds.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -274,39 +272,6 @@ def test_negative_control_corrupted_blocks_change_the_output(
     )
 
 
-_FLIP = """
-import asyncio, json, sys
-import numpy as np
-from kvray.backends import make_backend
-from kvray.backends.base import KeyStatus
-from kvray.config import PoolConfig
-
-config, address = PoolConfig.model_validate_json(sys.argv[1]), sys.argv[2]
-keys, value = json.loads(sys.argv[3]), int(sys.argv[4])
-
-
-async def main() -> None:
-    client = make_backend(config, address, contribute_memory=False)
-    raw = client.inner  # the checksummed client's backend
-    buf = np.zeros(value, np.uint8)
-    await raw.register_region(buf.ctypes.data, value)
-    try:
-        for key in keys:
-            assert await raw.get([key], [[buf.ctypes.data]], [[value]]) == [KeyStatus.OK]
-            buf[1000] ^= 0x04
-            (st,) = await raw.put([key], [[buf.ctypes.data]], [[value]], overwrite=True)
-            assert st is KeyStatus.OK
-    finally:
-        await raw.unregister_region(buf.ctypes.data)
-        await client.close()
-
-
-asyncio.run(main())
-"""
-"""One bit of each block's value flipped inside the backend, through a client without
-checksums (the trailer left as it was)."""
-
-
 def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
     pool, engines, reference, tiny_model, request
 ):
@@ -316,22 +281,31 @@ def test_bytes_corrupted_inside_the_pool_fail_their_checksum_and_are_recomputed(
     recomputed (the baseline's tokens, where the control above got other tokens), counted
     as corrupt, and removed from the pool; the recomputed blocks are stored again, and the
     next request loads those."""
+    from kvray.backends import make_backend
+    from kvray.backends.base import KeyStatus
+
     p1, _, _ = prompt_set(request)
     eng = engines.get(spec(tiny_model, "shared"))
     keys = _stored_keys(eng, p1)
     value = BLOCK_BYTES + 8  # and the trailer
 
-    def flip_one_bit_each() -> None:
-        # In a process of its own: a native client in the pytest process can take the
-        # xdist worker down with it (seen once in a full run: a SIGSEGV in the worker's
-        # main thread right after this client; not reproduced alone).
-        args = [pool.config.model_dump_json(), pool.server_address, json.dumps(keys), str(value)]
-        res = subprocess.run([sys.executable, "-c", _FLIP, *args], capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
-        assert res.returncode == 0, res.stderr[-3000:]
+    async def flip_one_bit_each() -> None:
+        client = make_backend(pool.config, pool.server_address, contribute_memory=False)
+        raw = client.inner  # type: ignore[attr-defined]  (the checksummed client's backend)
+        buf = np.zeros(value, np.uint8)
+        await raw.register_region(buf.ctypes.data, value)
+        try:
+            for key in keys:
+                assert await raw.get([key], [[buf.ctypes.data]], [[value]]) == [KeyStatus.OK]
+                buf[1000] ^= 0x04
+                (st,) = await raw.put([key], [[buf.ctypes.data]], [[value]], overwrite=True)
+                assert st is KeyStatus.OK
+        finally:
+            await raw.unregister_region(buf.ctypes.data)
+            await client.close()
 
     before = pool.stats().total
-    flip_one_bit_each()
+    asyncio.run(flip_one_bit_each())
     loaded = eng.generate([p1])
     assert loaded["outputs"] == reference([p1])
     (line,) = loaded["lines"]

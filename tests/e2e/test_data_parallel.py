@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -41,23 +40,16 @@ def _post(url: str, body: dict, dp_rank: int) -> dict:
 
 def _drop_dram(server_address: str) -> int:
     """Remove every block from Mooncake's DRAM with a raw client (no memory of its own),
-    as an eviction of all of them would; the SSD tier keeps its copies. In a process of
-    its own: a native client in the pytest process can take the xdist worker down with it
-    (seen once in a full run: a SIGSEGV in the worker's main thread right after this
-    client; not reproduced alone)."""
-    code = (
-        "import sys\n"
-        "from mooncake.store import MooncakeDistributedStore\n"
-        "raw = MooncakeDistributedStore()\n"
-        "rc = raw.setup('127.0.0.1', 'P2PHANDSHAKE', 0, 0, 'tcp', '', sys.argv[1])\n"
-        "assert rc == 0, f'mooncake setup against {sys.argv[1]} failed: {rc}'\n"
-        "print(int(raw.remove_all(True)))\n"
-        "raw.close()\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code, server_address], capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    return int(res.stdout.strip().splitlines()[-1])
+    as an eviction of all of them would; the SSD tier keeps its copies."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", server_address)
+    assert rc == 0, f"mooncake setup against {server_address} failed: {rc}"
+    try:
+        return int(raw.remove_all(True))
+    finally:
+        raw.close()
 
 
 def _ssd_slots(log: str) -> dict[str, tuple[str, int]]:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -240,9 +241,24 @@ def _local_cluster(any_gcs: bool = False) -> str | None:
     except Exception:  # noqa: BLE001 - Ray's private helpers moved: no detection
         return None
     for address in candidates:
-        if address and why_unreachable(address, 1.0) is None:
+        if address and _on_this_node(address) and why_unreachable(address, 1.0) is None:
             return str(address)
     return None
+
+
+def _on_this_node(address: str) -> bool:
+    """Whether ``host:port``'s host is an address of this machine (one it can bind). A
+    record of another host's cluster (a copied /tmp, a network namespace's cluster) is
+    not this node's, even where something answers there (a proxy that accepts any TCP
+    connection, as on some sandboxes)."""
+    host = address.rpartition(":")[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
 
 
 def connect(

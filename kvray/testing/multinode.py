@@ -2,13 +2,14 @@
 
 Each node lives in its own network namespace, joined to the other by a veth pair (node A
 is 10.77.0.1, node B 10.77.0.2; each also has its own loopback, which the other cannot
-reach), and in its own mount namespace with its own tmpfs on /dev/shm. So a server that
-listens on 127.0.0.1 on one node is out of the other's reach, as on real hosts; a
-cross-node shared-memory assumption fails as on real hardware (kvray's regions are
-refused on another node, Ray's object stores are separate); Mooncake traffic between
-the nodes goes over TCP on the veth link. The addresses exist only inside namespaces the
-harness creates: no traffic leaves them. Processes are put on a node with ``nsenter``
-into its namespaces; a driver joins Ray as that node through ``KVRAY_NODE_IP_ADDRESS``.
+reach), and in its own mount namespace with its own tmpfs on /dev/shm and its own
+/tmp/ray. So a server that listens on 127.0.0.1 on one node is out of the other's reach,
+as on real hosts; a cross-node shared-memory assumption fails as on real hardware
+(kvray's regions are refused on another node, Ray's object stores are separate);
+Mooncake traffic between the nodes goes over TCP on the veth link. The addresses exist
+only inside namespaces the harness creates: no traffic leaves them. Processes are put
+on a node with ``nsenter`` into its namespaces; a driver joins Ray as that node through
+``KVRAY_NODE_IP_ADDRESS``.
 Needs root (namespaces), util-linux and iproute2. Used by ``tests/multinode`` and
 ``scripts/bench_store.py --cross-node``.
 
@@ -33,6 +34,8 @@ from typing import Any
 
 RAY = str(Path(sys.executable).with_name("ray"))
 NODE_IPS = {"A": "10.77.0.1", "B": "10.77.0.2"}
+RAY_TMP = "/tmp/ray"
+"""Ray's default temp dir; each node gets its own (a bind mount in its mount namespace)."""
 """Each node's address on the link between them (inside the harness's namespaces only)."""
 RESULT = "KVRAY-RESULT "
 """Marks a helper's answer on stdout (Ray may print other lines there)."""
@@ -169,12 +172,20 @@ class TwoNodeCluster:
         # The link between the nodes: one veth pair, each end made inside its node.
         _ip("link", "add", a.dev, "netns", str(a.pid), "type", "veth",
             "peer", "name", b.dev, "netns", str(b.pid))  # fmt: skip
+        os.makedirs(RAY_TMP, exist_ok=True)
         for node in (a, b):
+            # Each node's own Ray temp dir, as on separate hosts: a `ray start --head`
+            # here would otherwise record its address in this machine's
+            # /tmp/ray/ray_current_cluster, where engines outside the harness that start
+            # Ray without an address would find it (and fail to reach it).
+            ray_tmp = self.tmp / f"ray-tmp-{node.name}"
+            ray_tmp.mkdir(exist_ok=True)
             for cmd in (
                 ("ip", "link", "set", "lo", "up"),
                 ("ip", "addr", "add", f"{node.ip}/24", "dev", node.dev),
                 ("ip", "link", "set", node.dev, "up"),
                 ("mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", "/dev/shm"),
+                ("mount", "--bind", str(ray_tmp), RAY_TMP),
             ):
                 subprocess.run(node.argv(*cmd), check=True, capture_output=True)
         head = self.nodes["A"]

@@ -91,3 +91,14 @@ def test_state_of_a_dead_keeper_is_not_used(monkeypatch, tmp_path):
     assert embedded.read_state(files) is None
     files.state.write_text("not json")
     assert embedded.read_state(files) is None
+
+
+def test_a_recorded_cluster_on_another_host_is_not_this_nodes():
+    """Ray's record of the last cluster (/tmp/ray/ray_current_cluster) counts only when its
+    host is an address of this machine: a record of another host's (or a network
+    namespace's) cluster is ignored even where something accepts the connection."""
+    from kvray.embedded import _on_this_node
+
+    assert _on_this_node("127.0.0.1:6379")
+    assert not _on_this_node("10.77.0.1:6379")  # the multi-node harness's node A
+    assert not _on_this_node("192.0.2.7:6379")  # TEST-NET-1: no host's address

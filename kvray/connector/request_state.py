@@ -4,6 +4,7 @@ does not hold yet)."""
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +71,18 @@ def track_scheduled(reqs: dict[str, RequestState], output: SchedulerOutput) -> N
 
 
 def plan_saves(
-    reqs: dict[str, RequestState], scheduled: dict[str, int], block_size: int
+    reqs: dict[str, RequestState],
+    scheduled: Iterable[str],
+    block_size: int,
+    unverified: Container[int] = (),
 ) -> list[BlockOp]:
-    """Prompt blocks completed by this step and not yet in the pool."""
+    """Prompt blocks completed (by this step or, held, earlier) and not yet in the pool.
+
+    ``unverified``: block ids a sync load wrote in a step whose outcome is not back yet. A
+    request with any of them among its computed blocks saves nothing now: if that load
+    failed, the forward attended to what the block held before, and every block it
+    computed after it is wrong (vLLM recomputes them; the pool must not keep them). Its
+    saves are planned once the loads are known good (``next_save`` does not move)."""
     saves = []
     for rid in scheduled:
         st = reqs.get(rid)
@@ -82,6 +92,8 @@ def plan_saves(
         full = min(st.computed_tokens, req.num_prompt_tokens) // block_size
         full = min(full, len(req.block_hashes), len(st.block_ids))
         if full <= st.next_save:
+            continue
+        if unverified and any(b in unverified for b in st.block_ids[:full]):
             continue
         saves.append(
             BlockOp(

@@ -9,6 +9,11 @@ Nothing here blocks a scheduler step. ``get_num_new_matched_tokens`` returns ``N
 pinned by the backend's read lease (Mooncake grants one per ``exists``) until it is
 loaded; a block that vanished anyway fails its load, which the worker reports to vLLM.
 
+A step's saves never include a block computed over a sync load whose outcome is not back
+yet: if that load failed, the forward attended to whatever the block held, so every block
+computed after it in that step is wrong, although vLLM recomputes them. The request's saves
+wait until the step's output says its loads were good (``plan_saves``'s ``unverified``).
+
 PD disaggregation through the pool (:mod:`kvray.connector.pd_params`): a decode's lookup
 may wait in the Lookup actor for the blocks its prefill reported stored; this engine's
 hash fingerprint is registered with the pool (:mod:`kvray.connector.hash_registration`).
@@ -56,6 +61,18 @@ def _ended_in_error(request: Request) -> bool:
     return request.status == RequestStatus.FINISHED_ERROR
 
 
+def _finished_normally(request: Request) -> bool:
+    """Ended by its own output (a stop, its length), in vLLM's handling of a step's output:
+    after that step's failed loads were known."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED),
+    )
+
+
 class KVRayScheduler:
     """One per engine instance, in the scheduler process."""
 
@@ -90,6 +107,11 @@ class KVRayScheduler:
         self._delayed: list[str] = []
         self._awaiting_frees: set[str] = set()
         self._block_owner: dict[int, str] = {}
+        self._unverified: dict[int, int] = {}
+        """Block id -> the step whose sync load wrote it, until that step's output is back
+        (its failed loads are known then): saves over these blocks wait (plan_saves)."""
+        self._late_saves: list[BlockOp] = []
+        """Saves of finished requests that were held until their loads were known good."""
         self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
         """Requests that loaded from the pool and ended with an error this step: (state,
         block count, block ids), reported once the step's failed loads are known (under
@@ -320,7 +342,12 @@ class KVRayScheduler:
             for rid in self._first_token_steps.pop(step):  # no step times ever came
                 self._log_parked(rid)
         self._stamp_first_token_step(scheduled)
-        saves = plan_saves(self._reqs, scheduled, self.block_size) if self.info.can_save else []
+        for op in self._loads:
+            for block_id in op.block_ids:
+                self._unverified[block_id] = self._step
+        saves, self._late_saves = self._late_saves, []
+        if self.info.can_save:
+            saves += plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
             for block_id in st.block_ids if st else ():
@@ -371,6 +398,8 @@ class KVRayScheduler:
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
             self._take_step_times(times)
+            if self._unverified:  # that step's failed loads are in this output
+                self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -392,6 +421,12 @@ class KVRayScheduler:
         self._lookups.drop(rid)
         self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
+        if st is not None and self.info.can_save and not _ended_in_error(request):
+            # Saves held for loads not yet known good. vLLM finishes a request only once
+            # its loads did not fail (a failed one is recomputed first), so they are good
+            # now; one aborted meanwhile may still sit on a failed load: dropped.
+            held = () if _finished_normally(request) else self._unverified
+            self._late_saves += plan_saves({rid: st}, (rid,), self.block_size, held)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:
             tl = clock.timeline

@@ -28,6 +28,7 @@ from kvray.connector.common import InstanceInfo  # noqa: E402
 from kvray.connector.fingerprint import current as current_fingerprint  # noqa: E402
 from kvray.connector.metadata import BlockOp  # noqa: E402
 from kvray.connector.scheduler import KVRayScheduler, hash_bytes  # noqa: E402
+from kvray.connector.timeline import StepTimes  # noqa: E402
 from kvray.errors import BackendUnavailableError  # noqa: E402
 from kvray.keys import KeySpace, KVLayout  # noqa: E402
 from kvray.lookup import Answer  # noqa: E402
@@ -116,10 +117,89 @@ def test_a_lookup_answer_becomes_external_tokens_and_a_load(tokens, hits, miss, 
         assert meta.loads == [BlockOp("r1", hashes, tuple(range(10, 10 + hits)))]
     else:
         assert meta.loads == []
-    # The step completes the prompt: the blocks the pool lacked are saved.
-    assert [(op.req_id, op.block_ids) for op in meta.saves] == (
-        [("r1", tuple(range(10 + hits, 14)))] if hits < 4 else []
+    # The step completes the prompt: the blocks the pool lacked are saved, at once when
+    # nothing loaded, else once the step's output says its loads were good.
+    lacked = [("r1", tuple(range(10 + hits, 14)))] if hits < 4 else []
+    assert [(op.req_id, op.block_ids) for op in meta.saves] == ([] if external else lacked)
+    if external:
+        s.sched.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step))
+        )
+        req.num_computed_tokens = tokens
+        meta = s.step({"r1": 1})
+        assert [(op.req_id, op.block_ids) for op in meta.saves] == lacked
+
+
+def load_then_compute(s: Sched, rid: str = "r1", ids: tuple[int, ...] = (10, 11, 12, 13, 14),
+                      first: int = 1000) -> tuple[Request, Any]:  # fmt: skip
+    """A 70-token request whose first 2 blocks the pool holds: the step loads them (sync)
+    and computes blocks 2..3 and the tail."""
+    s.lookup.answer = answered(2)
+    req = s.request(rid, 70, first=first)
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    s.alloc(req, list(ids), 32)
+    req.num_computed_tokens = 32
+    meta = s.step({rid: 38}, [(req, list(ids))])
+    assert [op.block_ids for op in meta.loads] == [ids[:2]]
+    return req, meta
+
+
+def test_blocks_computed_over_a_failed_load_are_never_saved():
+    """The step's forward attended to block 11, whose load failed: blocks 12..13 it computed
+    are wrong. vLLM recomputes from block 11; only those recomputed blocks are saved."""
+    s = Sched()
+    req, meta = load_then_compute(s)
+    assert meta.saves == []
+    s.sched.update_connector_output(
+        KVConnectorOutput(invalid_block_ids={11}, kv_connector_worker_meta=StepTimes(meta.step))
     )
+    req.num_computed_tokens = 16  # vLLM truncates at the failed block...
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {"r1": 54}  # ...and recomputes from there
+    out.total_num_scheduled_tokens = 54
+    out.scheduled_cached_reqs.req_ids = ["r1"]
+    out.scheduled_cached_reqs.new_block_ids = [None]
+    out.scheduled_cached_reqs.num_computed_tokens = [16]
+    meta = s.sched.build_connector_meta(out)
+    assert [(op.req_id, op.block_ids) for op in meta.saves] == [("r1", (11, 12, 13))]
+    assert meta.saves[0].block_hashes == tuple(hash_bytes(h) for h in req.block_hashes[1:4])
+
+
+def test_a_request_over_another_ones_unconfirmed_load_waits_too():
+    """Block 11 is shared (vLLM's prefix cache): a request computing over it in the step
+    of its load waits like the loader; others save at once."""
+    s = Sched()
+    _, meta = load_then_compute(s)
+    other = s.request("r2", 70, first=5000)
+    s.lookup.answer = answered(0)
+    s.sched.get_num_new_matched_tokens(other, 0)
+    s.alloc(other, [10, 11, 20, 21, 22], 0)
+    sharer = s.request("r3", 70, first=9000)
+    s.sched.get_num_new_matched_tokens(sharer, 0)
+    s.alloc(sharer, [30, 31, 32, 33, 34], 0)
+    meta = s.step(
+        {"r2": 70, "r3": 70}, [(other, [10, 11, 20, 21, 22]), (sharer, [30, 31, 32, 33, 34])]
+    )
+    assert [(op.req_id, op.block_ids) for op in meta.saves] == [("r3", (30, 31, 32, 33))]
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_request_finished_in_its_load_step_saves_after_it_unless_aborted(aborted):
+    """vLLM finishes a request only once its loads were good: its held saves go with its
+    delayed free. One aborted before the step's output is back may sit on a failed load:
+    its held saves are dropped."""
+    from vllm.v1.request import RequestStatus
+
+    s = Sched()
+    req, meta = load_then_compute(s)
+    req.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, _ = s.sched.request_finished(req, [10, 11, 12, 13, 14])
+    late = s.step()
+    if aborted:
+        assert (delay, late.saves, late.delayed_frees) == (False, [], [])
+    else:
+        assert delay is True and late.delayed_frees == ["r1"]
+        assert [(op.req_id, op.block_ids) for op in late.saves] == [("r1", (12, 13))]
 
 
 def test_async_loads_are_planned_as_such():

@@ -68,6 +68,8 @@ class _Put:
     """Blocks are counted once, by the put of part 0; bytes by each part's columns."""
     row_bytes: int
     """Bytes per block in this put (its part's columns)."""
+    step: int
+    """The scheduler step whose metadata asked for it."""
 
 
 class Saver:
@@ -95,10 +97,16 @@ class Saver:
         """Request -> its puts in flight."""
         self._step: list[BlockOp] = []
         """The bound step's saves (emptied when they failed as a whole)."""
+        self._step_no = 0
         self._lw: _LayerwiseSave | None = None
 
-    def bind(self, saves: list[BlockOp]) -> None:
-        self._step = saves
+    def bind(self, saves: list[BlockOp], step: int) -> None:
+        self._step, self._step_no = saves, step
+
+    def ended_through(self, step: int) -> int:
+        """The last step (up to ``step``, the current one) whose puts, and every earlier
+        step's, all ended: the scheduler's lookups wait for saves in flight until then."""
+        return min((p.step - 1 for p in self._puts.values()), default=step)
 
     def saving(self, req_id: str) -> bool:
         """Some put of the request's blocks is still in flight."""
@@ -108,7 +116,7 @@ class Saver:
         rids = [op.req_id for op in ops]
         call = self._store.put(batch)
         row = int(batch.lengths[0].sum()) if len(batch) else 0
-        self._puts[id(call)] = _Put(call, rids, len(batch), counts_blocks, row)
+        self._puts[id(call)] = _Put(call, rids, len(batch), counts_blocks, row, self._step_no)
         for rid in rids:
             self._puts_of[rid].add(id(call))
         return call

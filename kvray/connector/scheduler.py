@@ -34,7 +34,7 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT
-from kvray.connector.lookups import Lookups
+from kvray.connector.lookups import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.pd_params import PDParams
 from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from kvray.lookup import Place, Placement
 
 logger = logging.getLogger(__name__)
+
+SAVING_KEPT = 1 << 16
+"""Blocks whose saves in flight a scheduler remembers (lookups wait for them)."""
 
 
 def _ended_in_error(request: Request) -> bool:
@@ -112,6 +115,14 @@ class KVRayScheduler:
         (its failed loads are known then): saves over these blocks wait (plan_saves)."""
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
+        self._saving: dict[bytes, int] = {}
+        """Block hash -> the step that asked for its save, until every rank's saves of that
+        step ended (``StepTimes.saved_through``)."""
+        self._save_waits: dict[str, tuple[float, int]] = {}
+        """Request -> since when its lookup waits for this instance's own save of the block
+        it missed at, and ``_saves_ended`` when its latest lookup started."""
+        self._saves_ended = 0
+        """How many step outputs ended saves (a lookup older than one may have missed them)."""
         self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
         """Requests that loaded from the pool and ended with an error this step: (state,
         block count, block ids), reported once the step's failed loads are known (under
@@ -212,14 +223,20 @@ class KVRayScheduler:
 
     # ---- lookup --------------------------------------------------------------------------
 
-    def _start_lookup(self, request: Request, first_block: int) -> None:
+    def _start_lookup(self, request: Request, first_block: int) -> PendingLookup:
         want = max(0, self._pd.expected_blocks(request) - first_block)
         hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
         wait_s = self._pd.wait_s if want else 0.0
-        self._lookups.start(request.request_id, hashes, first_block, want, wait_s, self._placement)
+        pending = self._lookups.start(
+            request.request_id, hashes, first_block, want, wait_s, self._placement
+        )
         clock = self._clock(request)
         if clock.timeline.lookup_sent_ms is None:
             clock.timeline.lookup_sent_ms = clock.now_ms()
+        waiting = self._save_waits.get(request.request_id)
+        if waiting is not None:
+            self._save_waits[request.request_id] = (waiting[0], self._saves_ended)
+        return pending
 
     def _clock(self, request: Request) -> RequestClock:
         clock = self._clocks.get(request.request_id)
@@ -249,8 +266,9 @@ class KVRayScheduler:
             return 0, False
         pending = self._lookups.get(rid)
         if pending is None or pending.first_block > local:
-            self._start_lookup(request, local)
-            return self._wait_a_step(request)
+            pending = self._start_lookup(request, local)
+            if pending.answer is None:  # a call (the node's index answers at once)
+                return self._wait_a_step(request)
         # A busy engine is never stalled: ask again next step. An idle one (the last step
         # ran nothing) has nothing to delay, so wait for the answer instead of spinning
         # empty steps: each one also keeps vLLM's worker busy-polling for a second, which
@@ -270,6 +288,8 @@ class KVRayScheduler:
                 # The early lookup (from block 0) stopped inside vLLM's local hit: what
                 # follows the local hit is still unknown, so look up from there.
                 self._start_lookup(request, local)
+                return self._wait_a_step(request)
+            if self._awaits_own_save(request, pending.first_block + leading):
                 return self._wait_a_step(request)
             if leading < pending.want:
                 reported = pending.first_block + pending.want
@@ -294,6 +314,36 @@ class KVRayScheduler:
         if external == 0:
             return 0, False
         return external, self.info.config.load_async
+
+    def _awaits_own_save(self, request: Request, block: int) -> bool:
+        """The lookup missed at ``block``, whose save this instance sent and that has not
+        ended yet (the same prompt again, right after its response): ask again once it
+        ended, for at most ``lookup_timeout_ms``, rather than compute a block that is
+        about to be a hit."""
+        rid, hashes = request.request_id, request.block_hashes
+        waiting = self._save_waits.get(rid)
+        saving = block < len(hashes) and hash_bytes(hashes[block]) in self._saving
+        # Ended, and this lookup started after it did (else its answer may predate it).
+        if not saving and (waiting is None or waiting[1] == self._saves_ended):
+            self._save_waits.pop(rid, None)
+            return False
+        now = time.monotonic()
+        since = waiting[0] if waiting is not None else now
+        if now - since > self._lookups.timeout_s:
+            self._save_waits.pop(rid, None)
+            return False
+        self._save_waits[rid] = (since, self._saves_ended)
+        self.stats.add("lookup_save_waits")
+        return True  # the answer is dropped: the next step looks up again
+
+    def _note_saving(self, saves: list[BlockOp]) -> None:
+        """The blocks this step saves, until their saves ended (``_awaits_own_save``)."""
+        for op in saves:
+            for h in op.block_hashes:
+                self._saving[h] = self._step
+        if len(self._saving) > SAVING_KEPT:  # the ranks' ends never came: forget the oldest
+            for h in list(self._saving)[: len(self._saving) - SAVING_KEPT]:
+                del self._saving[h]
 
     def _wait_a_step(self, request: Request) -> tuple[None, bool]:
         """The request sits out this step: its lookup is not answered yet."""
@@ -348,6 +398,7 @@ class KVRayScheduler:
         saves, self._late_saves = self._late_saves, []
         if self.info.can_save:
             saves += plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
+        self._note_saving(saves)
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
             for block_id in st.block_ids if st else ():
@@ -400,6 +451,10 @@ class KVRayScheduler:
             self._take_step_times(times)
             if self._unverified:  # that step's failed loads are in this output
                 self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
+            if self._saving and times.saved_through >= 0:
+                done = times.saved_through
+                self._saving = {h: s for h, s in self._saving.items() if s > done}
+                self._saves_ended += 1
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -419,6 +474,7 @@ class KVRayScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._lookups.drop(rid)
+        self._save_waits.pop(rid, None)
         self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
         if st is not None and self.info.can_save and not _ended_in_error(request):

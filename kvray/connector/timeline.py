@@ -40,6 +40,9 @@ class StepTimes(KVConnectorWorkerMetadata):
     (its backend's get and the checksum verification), as it measured it; the rest is
     the node channel, the worker's own work (staged: the scatter) and waiting. Reported
     over the node channel; Ray calls report none (0)."""
+    saved_through: int = -1
+    """Every save bound in this step or before has ended (stored or failed); the
+    earliest of the ranks'. -1: not known."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, StepTimes):
@@ -51,6 +54,7 @@ class StepTimes(KVConnectorWorkerMetadata):
             max(self.forward_ms, other.forward_ms),
             max(self.save_ms, other.save_ms),
             slow.load_served_ms,
+            min(self.saved_through, other.saved_through),
         )
 
 
@@ -86,14 +90,19 @@ class StepClock:
             self._forward_end = start
         self._save += seconds
 
-    def times(self) -> StepTimes | None:
+    def times(self, saved_through: int) -> StepTimes | None:
         if not self.active:
             return None
         self.active = False
         end = self._forward_end or time.perf_counter()
         forward = max(0.0, end - self._bound - self._in_connector)
         return StepTimes(
-            self.step, self._load_wait * 1e3, forward * 1e3, self._save * 1e3, self._served * 1e3
+            self.step,
+            self._load_wait * 1e3,
+            forward * 1e3,
+            self._save * 1e3,
+            self._served * 1e3,
+            saved_through,
         )
 
 

@@ -209,11 +209,12 @@ class KVRayWorker:
         self._finishing.update(meta.delayed_frees)
         self._clock.bind(meta.step)
         if self._saves is not None:
-            self._saves.bind(meta.saves)
+            self._saves.bind(meta.saves, meta.step)
 
     def step_times(self) -> StepTimes | None:
         """This step's connector times, for the scheduler side (once per step)."""
-        times = self._clock.times()
+        step = self._clock.step
+        times = self._clock.times(self._saves.ended_through(step) if self._saves else step)
         if times is not None and times.load_wait_ms:
             self.stats.add("load_wait_us", int(times.load_wait_ms * 1e3))
         return times

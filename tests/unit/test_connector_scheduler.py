@@ -183,6 +183,53 @@ def test_a_request_over_another_ones_unconfirmed_load_waits_too():
     assert [(op.req_id, op.block_ids) for op in meta.saves] == [("r3", (30, 31, 32, 33))]
 
 
+def matched(s: Sched, req: Request) -> tuple[int | None, bool]:
+    """vLLM's calls, one per step, until the lookup sent (a fake call) is answered."""
+    for _ in range(3):
+        got = s.sched.get_num_new_matched_tokens(req, 0)
+        if got[0] is not None:
+            break
+    return got
+
+
+def test_a_lookup_that_missed_at_a_save_in_flight_asks_again_once_it_ended():
+    """The same prompt again right after its response: its blocks' save may not have
+    ended yet. The lookup waits for it (a step at a time), then hits."""
+    s = Sched()
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    assert [op.block_ids for op in meta.saves] == [(10, 11, 12, 13)]
+    again = s.request("r2", 70)  # the same tokens: the same block hashes
+    assert matched(s, again) == (None, False)
+    s.sched.update_connector_output(  # the step ran; its put has not ended
+        KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=0))
+    )
+    assert matched(s, again) == (None, False)
+    s.lookup.answer = answered(4)  # the save ended: the pool holds them
+    s.sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step + 1, saved_through=1))
+    )
+    # A lookup that started before the save ended (its answer: a miss) is asked again.
+    assert matched(s, again) == (64, False)
+    assert s.stat("lookup_save_waits") >= 3  # at least once per matched() before the end
+
+
+def test_a_save_that_never_ends_is_waited_for_at_most_the_lookup_timeout():
+    s = Sched(lookup_timeout_ms=50)
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    again = s.request("r2", 70)
+    assert matched(s, again) == (None, False)
+    time.sleep(0.06)
+    assert matched(s, again) == (0, False)  # computed: a miss
+
+
 @pytest.mark.parametrize("aborted", [False, True])
 def test_a_request_finished_in_its_load_step_saves_after_it_unless_aborted(aborted):
     """vLLM finishes a request only once its loads were good: its held saves go with its

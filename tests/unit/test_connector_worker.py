@@ -247,6 +247,22 @@ def test_a_finished_request_is_freed_only_once_its_saves_ended(engine):
     assert e.worker.get_finished(set()) == (None, None)
 
 
+def test_each_step_reports_through_which_step_every_save_ended(engine):
+    """The scheduler's lookups wait for saves in flight (the same prompt again) until the
+    step that asked for them is reported ended."""
+    e = engine("shared")
+    e.run_step(saves=[BlockOp("a", _hashes(1), (1,))])
+    assert e.worker.step_times().saved_through == 1  # the put ended within its step
+    e.store.hang = True
+    e.run_step(saves=[BlockOp("b", _hashes(2), (2,))])
+    assert e.worker.step_times().saved_through == 1  # step 2's put is in flight
+    e.run_step()
+    assert e.worker.step_times().saved_through == 1
+    e.store.calls[-1][2].finish()
+    e.run_step()
+    assert e.worker.step_times().saved_through == 4
+
+
 def test_a_preempted_request_drains_its_saves_before_its_blocks_are_reused(engine):
     e = engine("shared")
     e.store.hang = True

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SAVING_KEPT = 1 << 16
-"""Blocks whose saves in flight a scheduler remembers (lookups wait for them)."""
+SAVING_KEPT = 1024
+"""Steps whose saves in flight a scheduler remembers (lookups wait for them)."""
 
 
 def _ended_in_error(request: Request) -> bool:
@@ -116,6 +117,8 @@ class KVRayScheduler:
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
         self._saving: dict[bytes, int] = {}
+        self._saving_steps: deque[tuple[int, tuple[bytes, ...]]] = deque()
+        """The same, by step (oldest first), to forget them in the order they end."""
         """Block hash -> the step that asked for its save, until every rank's saves of that
         step ended (``StepTimes.saved_through``)."""
         self._save_waits: dict[str, tuple[float, int]] = {}
@@ -338,12 +341,23 @@ class KVRayScheduler:
 
     def _note_saving(self, saves: list[BlockOp]) -> None:
         """The blocks this step saves, until their saves ended (``_awaits_own_save``)."""
-        for op in saves:
-            for h in op.block_hashes:
-                self._saving[h] = self._step
-        if len(self._saving) > SAVING_KEPT:  # the ranks' ends never came: forget the oldest
-            for h in list(self._saving)[: len(self._saving) - SAVING_KEPT]:
-                del self._saving[h]
+        hashes = tuple(h for op in saves for h in op.block_hashes)
+        if hashes:
+            self._saving.update(dict.fromkeys(hashes, self._step))
+            self._saving_steps.append((self._step, hashes))
+        if len(self._saving_steps) > SAVING_KEPT:  # the ranks' ends never came
+            self._saves_ended_through(self._saving_steps[0][0])
+
+    def _saves_ended_through(self, step: int) -> None:
+        """Every rank's saves of ``step`` and before ended: their blocks are no longer in
+        flight."""
+        steps = self._saving_steps
+        while steps and steps[0][0] <= step:
+            at, hashes = steps.popleft()
+            for h in hashes:
+                if self._saving.get(h) == at:  # not saved again since
+                    del self._saving[h]
+        self._saves_ended += 1
 
     def _wait_a_step(self, request: Request) -> tuple[None, bool]:
         """The request sits out this step: its lookup is not answered yet."""
@@ -451,10 +465,8 @@ class KVRayScheduler:
             self._take_step_times(times)
             if self._unverified:  # that step's failed loads are in this output
                 self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
-            if self._saving and times.saved_through >= 0:
-                done = times.saved_through
-                self._saving = {h: s for h, s in self._saving.items() if s > done}
-                self._saves_ended += 1
+            if self._saving_steps and times.saved_through >= self._saving_steps[0][0]:
+                self._saves_ended_through(times.saved_through)
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():

@@ -31,13 +31,13 @@ import ctypes
 import logging
 import mmap
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces
+from kvray.backends.blocking import BlockingCalls
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,9 @@ class ChecksummedBackend(Backend):
         self.name = inner.name
         self._arena = _Arena(inner)
         self._threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvray-checksum")
+        self._in_thread = BlockingCalls("checksum hasher", "checksum", threads)
         self.corrupt = 0
         """Blocks whose bytes failed their checksum on a load, since start."""
-
-    async def _in_thread(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _split(self, fn: Any, n: int, sizes: Pieces, *args: Sequence[Any]) -> list[Any]:
         """``fn(*args)`` over the ``n`` items of ``args``, cut into one run of about equal
@@ -265,5 +262,5 @@ class ChecksummedBackend(Backend):
         try:
             await self._arena.close()
         finally:
-            self._pool.shutdown(wait=False)
+            await self._in_thread.close()
             await self.inner.close()

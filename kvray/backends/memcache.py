@@ -19,20 +19,18 @@ reports that as :class:`~kvray.errors.BackendUnavailableError`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
+from kvray.backends.blocking import BlockingCalls
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
@@ -207,8 +205,7 @@ class MemcacheBackend(Backend):
         self._put_direct = DEVICE_TO_POOL if dev else HOST_TO_POOL
         self._get_direct = POOL_TO_DEVICE if dev else POOL_TO_HOST
         self._regions: dict[int, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvray-mmc")
-        self._closed = False
+        self._call = BlockingCalls("MemCache client", "mmc", io_threads)
         logger.info(
             "MemCache %s client up in %.0f ms (meta %s, protocol %s, dram %d bytes)",
             "lookup" if self._lookup_client else "data",
@@ -232,12 +229,6 @@ class MemcacheBackend(Backend):
             store.close()
 
     # ---- plumbing --------------------------------------------------------------------
-
-    async def _call(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
-        if self._closed:
-            raise BackendUnavailableError("MemCache client is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
     def _raise_if_unavailable(self, op: str, codes: Sequence[int]) -> None:
         if codes and all(c in UNAVAILABLE for c in codes):
@@ -361,7 +352,7 @@ class MemcacheBackend(Backend):
             logger.warning("MemCache unregister_buffer failed with code %d", rc)
 
     async def health(self) -> bool:
-        if self._closed:
+        if self._call.closed:
             return False
         code = await self._call(self._store.is_exist, "kvray-health-probe")
         return code in (0, 1)
@@ -377,9 +368,6 @@ class MemcacheBackend(Backend):
         }
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        await self._call(self._store.close)
-        self._closed = True
-        self._pool.shutdown(wait=False)
-        self._drop_conf()  # read at init only
+        if not self._call.closed:
+            await self._call.close(self._store.close)
+            self._drop_conf()  # read at init only

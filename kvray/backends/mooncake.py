@@ -9,14 +9,13 @@ thread pool while the actor's event loop keeps serving.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
+from kvray.backends.blocking import BlockingCalls
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
 from kvray.servers.process import check_reachable
@@ -172,8 +171,7 @@ class MooncakeBackend(Backend):
             # whole batch (-600) in 0.3.x; the local segment is the same-node choice.
             self._replicate.preferred_segments = [self._segment_name]
         self._io_threads = io_threads
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvray-mooncake")
-        self._closed = False
+        self._call = BlockingCalls("mooncake client", "mooncake", io_threads)
         logger.info(
             "mooncake client %s up in %.0f ms (segment %d bytes, protocol %s, master %s)",
             self._segment_name,
@@ -182,12 +180,6 @@ class MooncakeBackend(Backend):
             config.protocol,
             master_address,
         )
-
-    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        if self._closed:
-            raise BackendUnavailableError("mooncake client is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -315,8 +307,4 @@ class MooncakeBackend(Backend):
         }
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        await self._call(self._store.close)
-        self._closed = True
-        self._pool.shutdown(wait=False)
+        await self._call.close(self._store.close)

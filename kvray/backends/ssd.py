@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
-import functools
 import hashlib
 import logging
 import os
@@ -40,7 +39,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,8 +46,9 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces
+from kvray.backends.blocking import BlockingCalls
 from kvray.config import SsdConfig
-from kvray.errors import BackendUnavailableError, ConfigError
+from kvray.errors import ConfigError
 from kvray.paths import check_dir
 
 logger = logging.getLogger(__name__)
@@ -133,8 +132,7 @@ class SsdBackend(Backend):
         """When a list: the keys the quota evicts are added to it (for the block index)."""
         started = time.monotonic()
         self._rebuild()
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvray-ssd")
-        self._closed = False
+        self._calls = BlockingCalls("ssd tier", "ssd", config.io_threads)
         logger.info(
             "ssd tier %s: %d block(s), %d bytes indexed in %.0f ms (quota %d, eviction %s)",
             self.root,
@@ -341,16 +339,8 @@ class SsdBackend(Backend):
     # ---- contract --------------------------------------------------------------------
 
     async def _each(self, fn: Callable[..., _T], *cols: Sequence[Any]) -> list[_T]:
-        if self._closed:
-            raise BackendUnavailableError("ssd tier is closed")
-        loop = asyncio.get_running_loop()
         return list(
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(self._pool, functools.partial(fn, *row))
-                    for row in zip(*cols, strict=True)
-                )
-            )
+            await asyncio.gather(*(self._calls(fn, *row) for row in zip(*cols, strict=True)))
         )
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -394,7 +384,7 @@ class SsdBackend(Backend):
         """See :meth:`register_region`."""
 
     async def health(self) -> bool:
-        return not self._closed and os.access(self.root, os.W_OK)
+        return not self._calls.closed and os.access(self.root, os.W_OK)
 
     def usage(self) -> dict[str, int]:
         with self._lock:
@@ -411,6 +401,4 @@ class SsdBackend(Backend):
         }
 
     async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pool.shutdown(wait=True)
+        await self._calls.close()

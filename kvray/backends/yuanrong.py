@@ -24,13 +24,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -44,6 +42,7 @@ from kvray.backends.base import (
     groups,
     scatter_pieces,
 )
+from kvray.backends.blocking import BlockingCalls
 from kvray.backends.keycodec import YUANRONG
 from kvray.config import YuanrongConfig, parse_host_port
 from kvray.errors import BackendError, BackendUnavailableError
@@ -165,8 +164,7 @@ class DatasystemBackend(Backend):
             ) from exc
         self._client = client
         self._io_threads = io_threads
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvray-yr")
-        self._closed = False
+        self._calls = BlockingCalls("datasystem client", "yr", io_threads)
         logger.info(
             "datasystem %s client connected to %s in %.0f ms (write mode %s, exclusive %s)",
             self.data_path,
@@ -183,11 +181,8 @@ class DatasystemBackend(Backend):
     # ---- plumbing --------------------------------------------------------------------
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        if self._closed:
-            raise BackendUnavailableError("datasystem client is closed")
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+            return await self._calls(fn, *args)
         except _Unavailable as exc:
             raise BackendUnavailableError(
                 f"datasystem worker at {self._address} is unavailable: {exc} (it did not "
@@ -312,12 +307,10 @@ class DatasystemBackend(Backend):
         }
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True)
-        # The SDK has no close: dropping the last reference disconnects.
-        del self._client
+        if not self._calls.closed:
+            await self._calls.close()
+            # The SDK has no close: dropping the last reference disconnects.
+            del self._client
 
 
 class YuanrongBackend(DatasystemBackend):
@@ -385,7 +378,7 @@ class YuanrongBackend(DatasystemBackend):
         return await self._split(read, len(enc), nbytes)
 
     async def health(self) -> bool:
-        if self._closed:
+        if self._calls.closed:
             return False
         status = await self._call(self._client.health_check)
         return bool(status.is_ok())

@@ -109,7 +109,7 @@ class YuanrongDeviceBackend(DatasystemBackend):
         return await self._split(read, len(enc), 0)
 
     async def health(self) -> bool:
-        if self._closed:
+        if self._calls.closed:
             return False
         try:
             await self._call(self._exist, ["kvray-health-probe"])

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import ray
-
+from kvray import remote
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
 from kvray.channel import ChannelServer
@@ -50,7 +49,7 @@ class BackendClientActor:
         lower = RemoteTier(ssd, config.call_timeout_s) if ssd is not None else None
         self._store = RankStore(make_backend(config, server_address), rank)
         self._tiers = TieredStore(self._store, lower)
-        self._node_id = ray.get_runtime_context().get_node_id()
+        self._node_id = remote.node_id()
         self._config = config
         self._background: list[asyncio.Task[None]] = []
         self._channel: ChannelServer | None = None

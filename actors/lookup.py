@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import ray
-
+from kvray import remote
 from kvray.backends import make_backend
 from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
@@ -34,7 +33,7 @@ class LookupActor:
         normal_priority("Lookup actor")
         config_json, server_address = current_settings(config_json, server_address)
         config = on_this_node(PoolConfig.model_validate_json(config_json))
-        self._node_id = ray.get_runtime_context().get_node_id()
+        self._node_id = remote.node_id()
         self._config = config
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
@@ -114,13 +113,9 @@ class LookupActor:
         on the SSD fallback path only)."""
         handle = self._ssd.get(place)
         if handle is None:
-            try:
-                actor = await asyncio.to_thread(
-                    ray.get_actor,
-                    ssd_name(self._config.name, place.node_id, place.slot),
-                    namespace=self._config.namespace,
-                )
-            except ValueError:  # no worker of that slot ever ran there: nothing on disk
+            name = ssd_name(self._config.name, place.node_id, place.slot)
+            actor = await asyncio.to_thread(remote.find, name, self._config.namespace)
+            if actor is None:  # no worker of that slot ever ran there: nothing on disk
                 return [False] * len(keys)
             name = f"SsdOffload[{place.slot}]@{place.node_id[:8]}"
             handle = self._ssd[place] = StoreHandle(actor, name)

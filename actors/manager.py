@@ -6,15 +6,12 @@ MemCache MetaService."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 from typing import Any
 
-import ray
-
-from kvray import launcher, metrics
+from kvray import launcher, metrics, remote
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, KVRayError
@@ -44,10 +41,9 @@ class PoolManagerActor:
         self._server: ServerProcess | None = None
         self._server_kind = spec.server_name
         self._resolved: dict[str, Any] = {}
-        self._node_id = ray.get_runtime_context().get_node_id()
-        cluster = ray.nodes()  # type: ignore[no-untyped-call]
-        me = next(n for n in cluster if n["NodeID"] == self._node_id)
-        self._node_ip: str = me["NodeManagerAddress"]
+        self._node_id = remote.node_id()
+        alive = remote.alive_nodes()
+        self._node_ip = alive[self._node_id]
         address = config.configured_server
         if address is None:
             host = config.listen_host(self._node_ip, nodes_at_start)
@@ -66,10 +62,10 @@ class PoolManagerActor:
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
         self._nodes_at_start = nodes_at_start
-        if take_back or ray.get_runtime_context().was_current_actor_reconstructed:
-            self._take_back(cluster)
+        if take_back or remote.restarted():
+            self._take_back(set(alive))
 
-    def _take_back(self, cluster: list[dict[str, Any]]) -> None:
+    def _take_back(self, alive: set[str]) -> None:
         """After a restart (Ray restarts the manager when it dies on a live node), or
         made again on another node by a node actor after its node was lost: take back
         the node actors the last manager made, found by name, and, with an embedded
@@ -78,7 +74,6 @@ class PoolManagerActor:
         the current server as they start. Engines keep their handles: a restarted client
         maps an engine's region again on its first transfer, and the node channel
         re-attaches."""
-        alive = {n["NodeID"] for n in cluster if n["Alive"]}
         nodes, lookups = launcher.find_node_actors(self._config, alive)
         for actors in nodes:
             self._state.nodes[(actors.node_id, actors.slot)] = actors
@@ -86,8 +81,7 @@ class PoolManagerActor:
         if self._server is not None:
             restart = [a.client for a in nodes] + list(lookups.values())
             for handle in restart:
-                with contextlib.suppress(ray.exceptions.RayError):
-                    ray.kill(handle.actor, no_restart=False)
+                remote.kill(handle.actor, restart=True)
         logger.warning(
             "pool %s: the manager runs again on node %s (%s); %s at %s; took back %d "
             "client(s) and %d Lookup actor(s)%s",
@@ -154,9 +148,8 @@ class PoolManagerActor:
 
     async def _forget_gone_nodes(self, after_s: float) -> list[str]:
         """Drop the actors of nodes Ray has reported dead for ``after_s``; returns them."""
-        cluster = await asyncio.to_thread(ray.nodes)
-        alive = {n["NodeID"] for n in cluster if n["Alive"]}
-        return self._state.forget_gone(alive, after_s, time.monotonic())
+        alive = await asyncio.to_thread(remote.alive_nodes)
+        return self._state.forget_gone(set(alive), after_s, time.monotonic())
 
     async def _check_node(self, node_id: str) -> None:
         spec = self._spec
@@ -171,8 +164,7 @@ class PoolManagerActor:
         per_node = spec.per_node_server(self._config)
         if node_id == self._node_id and not per_node:
             return
-        cluster = await asyncio.to_thread(ray.nodes)
-        ip = {n["NodeID"]: n["NodeManagerAddress"] for n in cluster}.get(node_id)
+        ip = (await asyncio.to_thread(remote.alive_nodes)).get(node_id)
         if ip is None:
             return
         if per_node:

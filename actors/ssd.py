@@ -9,8 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-
+from kvray import remote
 from kvray.backends import KeyStatus
 from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
@@ -40,8 +39,7 @@ class SsdOffloadActor:
         at start, then what its quota evicts (stores and removes the BackendClient above
         it reports)."""
         if config.lookup_index:
-            node_id = ray.get_runtime_context().get_node_id()
-            self._index = IndexPublisher(config, node_id, "SSD offload")
+            self._index = IndexPublisher(config, remote.node_id(), "SSD offload")
             self._tier.evicted = []
         self._publisher: asyncio.Task[None] | None = None
         self._announced = asyncio.Lock()

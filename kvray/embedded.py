@@ -231,18 +231,11 @@ def _local_cluster(any_gcs: bool = False) -> str | None:
     """The Ray cluster ``ray start`` made on this node (the address Ray recorded for it),
     if it answers; a stale record is ignored. ``any_gcs`` (``RAY_ADDRESS=auto``): else any
     Ray GCS running on this node, as Ray's own ``auto`` does."""
-    try:
-        from ray._private.services import find_gcs_addresses
-        from ray._private.utils import read_ray_address
+    from kvray import remote  # (imports Ray: only where an engine looks for a cluster)
 
-        candidates = [read_ray_address()]
-        if any_gcs:
-            candidates += sorted(find_gcs_addresses())  # type: ignore[no-untyped-call]
-    except Exception:  # noqa: BLE001 - Ray's private helpers moved: no detection
-        return None
-    for address in candidates:
-        if address and _on_this_node(address) and why_unreachable(address, 1.0) is None:
-            return str(address)
+    for address in remote.local_clusters(any_gcs):
+        if _on_this_node(address) and why_unreachable(address, 1.0) is None:
+            return address
     return None
 
 

@@ -22,8 +22,7 @@ import logging
 import time
 from functools import partial
 
-import ray
-
+from kvray import remote
 from kvray.block_index import key_digests
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
@@ -168,11 +167,8 @@ class IndexPublisher:
     async def _find_keeper(self) -> LookupHandle | None:
         if self._keeper is None and time.monotonic() >= self._keeper_retry_at:
             name = lookup_name(self._config.name, self.node_id)
-            try:
-                actor = await asyncio.to_thread(
-                    ray.get_actor, name, namespace=self._config.namespace
-                )
-            except ValueError:  # no scheduler on this node asked for one yet
+            actor = await asyncio.to_thread(remote.find, name, self._config.namespace)
+            if actor is None:  # no scheduler on this node asked for one yet
                 self._keeper_retry_at = time.monotonic() + KEEPER_RETRY_S
                 return None
             self._keeper = LookupHandle(actor, f"Lookup@{self.node_id[:8]}")

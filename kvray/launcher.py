@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvray import engine_env
+from kvray import engine_env, remote
 from kvray.backends.registry import spec_of, with_client_settings
 from kvray.config import PoolConfig
 from kvray.errors import (
@@ -186,10 +186,6 @@ def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
-def current_node_id() -> str:
-    return str(ray.get_runtime_context().get_node_id())
-
-
 def _manager_actor(config: PoolConfig, node_id: str, nodes: int, *, take_back: bool) -> Any:
     """The pool's manager on ``node_id`` (the running one if there is one). Pinned there
     (Ray's soft node affinity placed 6 of 6 test actors on another node of two): Ray
@@ -220,16 +216,14 @@ def launch(config: PoolConfig) -> PoolHandles:
         )
     started = time.monotonic()
     config_json = config.model_dump_json()
-    node_id = current_node_id()
-    cluster: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-    nodes = len([n for n in cluster if n["Alive"]])
+    node_id = remote.node_id()
+    nodes = len(remote.alive_nodes())
     actor = _manager_actor(config, node_id, nodes, take_back=False)
     manager = ManagerHandle(actor, f"pool {config.name!r} manager")
     try:
         spec = manager.spec().result(_START_TIMEOUT_S)
     except KVRayError as exc:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(actor, no_restart=True)
+        remote.kill(actor)
         raise BackendUnavailableError(f"pool manager failed to start: {exc}") from exc
     if spec["config_json"] != config_json:
         raise PoolConflictError(
@@ -303,8 +297,7 @@ async def create_node_actors(
         await _check_started(made, node_id, config)
     except BaseException:
         for handle in made:  # a broken actor must not be found by name next time
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.kill(handle.actor, no_restart=True)
+            remote.kill(handle.actor)
         raise
     return NodeActors(node_id, slot, client, ssd, dict(env or {}))
 
@@ -333,8 +326,7 @@ async def create_lookup_actor(
     try:
         await _check_started([handle], node_id, config)
     except BaseException:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(actor, no_restart=True)
+        remote.kill(actor)
         raise
     return handle
 
@@ -350,13 +342,15 @@ def current_settings(config_json: str, server_address: str) -> tuple[str, str]:
     restarted it, the manager's current ones (a restarted manager runs its embedded
     server anew, on another node when its own was lost, and restarts the node actors
     that talk to it)."""
-    if not ray.get_runtime_context().was_current_actor_reconstructed:
+    if not remote.restarted():
         return config_json, server_address
     config = PoolConfig.model_validate_json(config_json)
     try:
-        actor = ray.get_actor(manager_name(config.name), namespace=config.namespace)
+        actor = remote.find(manager_name(config.name), config.namespace)
+        if actor is None:
+            raise PoolNotFoundError(f"no manager of pool {config.name!r}")
         spec = ManagerHandle(actor, f"pool {config.name!r} manager").spec().result(_START_TIMEOUT_S)
-    except (ValueError, KVRayError) as exc:
+    except KVRayError as exc:
         logger.warning(
             "pool %s: a restarted actor did not get the pool's current server from the "
             "manager (%s); it keeps %s",
@@ -379,8 +373,9 @@ def find_node_actors(
         parsed = parse_node_actor(config.name, entry["name"])
         if entry["namespace"] != config.namespace or parsed is None or parsed[1] not in alive:
             continue
-        with contextlib.suppress(ValueError):  # gone since it was listed
-            found[parsed] = ray.get_actor(entry["name"], namespace=config.namespace)
+        actor = remote.find(entry["name"], config.namespace)
+        if actor is not None:  # (else gone since it was listed)
+            found[parsed] = actor
     nodes = [
         NodeActors(
             node_id,
@@ -459,11 +454,10 @@ class ManagerLink:
 
     async def _find(self) -> ManagerHandle:
         name, namespace = manager_name(self._config.name), self._config.namespace
-        try:
-            actor = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
-        except ValueError:
+        actor = await asyncio.to_thread(remote.find, name, namespace)
+        if actor is None:
             if self._pool is None:
-                raise
+                raise PoolNotFoundError(f"no manager of pool {self._config.name!r}")
             pool_json, nodes = self._pool
             logger.warning(
                 "kvray %s: the manager of pool %s is gone (its node was lost); making it "
@@ -473,7 +467,7 @@ class ManagerLink:
             )
             config = PoolConfig.model_validate_json(pool_json)
             actor = await asyncio.to_thread(
-                _manager_actor, config, current_node_id(), nodes, take_back=True
+                _manager_actor, config, remote.node_id(), nodes, take_back=True
             )
         handle = ManagerHandle(actor, f"pool {self._config.name!r} manager")
         if self._recreate and self._pool is None:
@@ -501,17 +495,16 @@ def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = Tru
     """Handles to the running pool ``name``, for this process's node. ``clients``: this
     process will store or load (refused, naming the fix, when this node cannot reach the
     pool's server); False for status and teardown, which need no client here."""
-    try:
-        actor = ray.get_actor(manager_name(name), namespace=namespace)
-    except ValueError as exc:
+    actor = remote.find(manager_name(name), namespace)
+    if actor is None:
         raise PoolNotFoundError(
             f"no kvray pool {name!r} in Ray namespace {namespace!r}: start one with "
             "`kvray up` or Pool.start()"
-        ) from exc
+        )
     manager = ManagerHandle(actor, f"pool {name!r} manager")
     spec = manager.spec().result(_START_TIMEOUT_S)
     config = PoolConfig.model_validate_json(spec["config_json"])
-    node_id = current_node_id()
+    node_id = remote.node_id()
     if clients and node_id != spec["node_id"]:
         why = manager.refusal(node_id).result(_START_TIMEOUT_S)
         if why is not None:
@@ -534,14 +527,12 @@ def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
             timeout_s,
         )
     for handle in actors:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(handle.actor, no_restart=True)
+        remote.kill(handle.actor)
     try:
         handles.manager.stop().result(timeout_s)
     except KVRayError as exc:
         logger.warning("pool manager did not stop cleanly (%s); killing it", exc)
-    with contextlib.suppress(ray.exceptions.RayError):
-        ray.kill(handles.manager.actor, no_restart=True)
+    remote.kill(handles.manager.actor)
     # Pools of earlier kvray versions placed their ranks in a placement group.
     with contextlib.suppress(ValueError):
         ray.util.remove_placement_group(

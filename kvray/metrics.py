@@ -167,7 +167,7 @@ async def export_forever(
 ) -> None:
     """An actor's export loop: every :data:`EXPORT_S`, ``read()`` -> ``(stats,
     segment_bytes)`` handed to Ray. A failure is logged once and never ends the actor."""
-    import ray
+    from kvray import remote
 
     warned = False
     exporter: StatsExporter | None = None
@@ -175,8 +175,7 @@ async def export_forever(
         await asyncio.sleep(EXPORT_S)
         try:
             if exporter is None:
-                node = ray.get_runtime_context().get_node_id()
-                exporter = StatsExporter(pool, role, node, slot)
+                exporter = StatsExporter(pool, role, remote.node_id(), slot)
             stats, segment = await read()
             exporter.export(stats, segment)
         except Exception as exc:  # a metrics failure must not fail the pool

@@ -30,9 +30,8 @@ from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import ray
 
-from kvray import launcher
+from kvray import launcher, remote
 from kvray.backends.base import KeyStatus
 from kvray.config import PoolConfig
 from kvray.errors import (
@@ -498,8 +497,7 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
     status.ssd = cfg.ssd_tier
     nodes = await h.manager.nodes().aresult(timeout_s)
     lookups = await h.manager.lookups().aresult(timeout_s)
-    cluster = await asyncio.to_thread(ray.nodes)
-    alive = {n["NodeID"]: (n["NodeManagerAddress"], n["Alive"]) for n in cluster}
+    alive = await asyncio.to_thread(remote.nodes)
     first_of_node: dict[str, launcher.NodeActors] = {}
     for a in nodes:
         first_of_node.setdefault(a.node_id, a)

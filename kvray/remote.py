@@ -21,6 +21,7 @@ actor handles they hold.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -133,6 +134,58 @@ class Call(Generic[T]):
         """Wait up to ``timeout_s`` for this call (another of its carrier's may answer
         first)."""
         ray.wait([self.ref], timeout=timeout_s)
+
+
+def node_id() -> str:
+    """The Ray node this process runs on."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def nodes() -> dict[str, tuple[str, bool]]:
+    """Every node the Ray cluster knows, by node id: (the address Ray knows it by, alive)."""
+    cluster: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return {n["NodeID"]: (n["NodeManagerAddress"], bool(n["Alive"])) for n in cluster}
+
+
+def alive_nodes() -> dict[str, str]:
+    """The cluster's alive nodes: node id -> the address Ray knows it by."""
+    return {node: address for node, (address, alive) in nodes().items() if alive}
+
+
+def find(name: str, namespace: str) -> Any | None:
+    """The actor named ``name`` in ``namespace``, or None: there is none (yet)."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def local_clusters(any_gcs: bool = False) -> list[str]:
+    """Addresses of the Ray clusters of this machine: the one ``ray start`` recorded and,
+    with ``any_gcs``, every running GCS (as Ray's own ``address="auto"`` finds them).
+    Ray has no public call for this: these are Ray 2.60's private helpers, pinned by
+    tests/unit/test_remote.py; none are found if they moved."""
+    try:
+        from ray._private.services import find_gcs_addresses
+        from ray._private.utils import read_ray_address
+
+        found = [read_ray_address()]
+        if any_gcs:
+            found += sorted(find_gcs_addresses())  # type: ignore[no-untyped-call]
+    except Exception:  # noqa: BLE001 - Ray's private helpers moved: nothing found
+        return []
+    return [str(a) for a in found if a]
+
+
+def restarted() -> bool:
+    """Inside an actor: Ray made it again after it died (its constructor runs anew)."""
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def kill(actor: Any, *, restart: bool = False) -> None:
+    """End ``actor`` (``restart``: for Ray to make it again); one already gone is fine."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.kill(actor, no_restart=not restart)
 
 
 def connected() -> bool:

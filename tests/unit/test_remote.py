@@ -37,3 +37,22 @@ def test_other_errors_are_not_timeouts():
     err = as_kvray_error(RuntimeError("boom"), "x", 1)
     assert type(err) is BackendUnavailableError
     assert "RuntimeError: boom" in str(err)
+
+
+def test_the_cluster_record_kvray_reads_is_where_ray_2_60_keeps_it(monkeypatch, tmp_path):
+    """Ray has no public call for "the cluster ``ray start`` made on this machine", so
+    remote.local_clusters reads Ray's private record and GCS finder. Pinned to Ray 2.60:
+    if Ray moves either, this fails (engines would otherwise quietly start clusters of
+    their own next to the node's)."""
+    from ray._private import services, utils
+
+    from kvray import remote
+
+    utils.write_ray_address("127.0.0.1:6390", str(tmp_path))
+    assert (tmp_path / "ray_current_cluster").read_text() == "127.0.0.1:6390"
+    assert utils.read_ray_address(str(tmp_path)) == "127.0.0.1:6390"
+    assert all(isinstance(a, str) for a in services.find_gcs_addresses())  # a (frozen)set
+    monkeypatch.setattr(utils, "read_ray_address", lambda temp_dir=None: "127.0.0.1:6390")
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"127.0.0.1:6391"})
+    assert remote.local_clusters() == ["127.0.0.1:6390"]
+    assert remote.local_clusters(any_gcs=True) == ["127.0.0.1:6390", "127.0.0.1:6391"]

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from kvray import remote
+from kvray.actors.node_config import current_settings, on_this_node
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
 from kvray.channel import ChannelServer
@@ -18,12 +19,11 @@ from kvray.config import PoolConfig
 from kvray.index_publisher import SWEEP_S, EvictionSweep, IndexPublisher
 from kvray.index_stream import ADD, GONE
 from kvray.keys import probe_hash
-from kvray.launcher import ManagerLink, current_settings, on_this_node
 from kvray.ledger import FLUSH_S
 from kvray.metrics import export_forever
 from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
-from kvray.remote import ManagerHandle, StoreHandle
+from kvray.remote import ManagerHandle, ManagerLink, Remake, StoreHandle
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
 from kvray.tiers import IndexKeys, RemoteTier, TieredStore
@@ -36,8 +36,14 @@ class BackendClientActor:
     """All methods are async; native calls run on the backend's own thread pool."""
 
     def __init__(
-        self, config_json: str, rank: int, server_address: str, ssd: StoreHandle | None = None
+        self,
+        config_json: str,
+        rank: int,
+        server_address: str,
+        ssd: StoreHandle | None = None,
+        remake: Remake | None = None,
     ) -> None:
+        """``remake``: how to make the pool's manager again (:class:`ManagerLink`)."""
         logging.basicConfig(level=logging.INFO)
         normal_priority("BackendClient actor")
         config_json, server_address = current_settings(config_json, server_address)
@@ -51,6 +57,7 @@ class BackendClientActor:
         self._tiers = TieredStore(self._store, lower)
         self._node_id = remote.node_id()
         self._config = config
+        self._remake = remake
         self._background: list[asyncio.Task[None]] = []
         self._channel: ChannelServer | None = None
         """The node channel workers send their transfers over (:mod:`kvray.channel`)."""
@@ -80,7 +87,7 @@ class BackendClientActor:
     async def _report(self) -> None:
         """Send the blocks stored and removed to the pool's ledger every FLUSH_S."""
         manager = ManagerLink(
-            self._config, "BackendClient", "its misses read as never stored", recreate=True
+            self._config, "BackendClient", "its misses read as never stored", remake=self._remake
         )
         while True:
             await asyncio.sleep(FLUSH_S)

@@ -11,30 +11,32 @@ from functools import partial
 from typing import Any
 
 from kvray import remote
+from kvray.actors.node_config import current_settings, on_this_node
 from kvray.backends import make_backend
 from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
 from kvray.index_stream import INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
-from kvray.launcher import ManagerLink, current_settings, on_this_node
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService, Place, Placement
 from kvray.metrics import export_forever
 from kvray.naming import ssd_name
 from kvray.ray_env import normal_priority
-from kvray.remote import ManagerHandle, StoreHandle
+from kvray.remote import ManagerHandle, ManagerLink, Remake, StoreHandle
 from kvray.stats import RankStats
 
 
 class LookupActor:
-    def __init__(self, config_json: str, server_address: str) -> None:
+    def __init__(self, config_json: str, server_address: str, remake: Remake | None = None) -> None:
+        """``remake``: how to make the pool's manager again (:class:`ManagerLink`)."""
         logging.basicConfig(level=logging.INFO)
         normal_priority("Lookup actor")
         config_json, server_address = current_settings(config_json, server_address)
         config = on_this_node(PoolConfig.model_validate_json(config_json))
         self._node_id = remote.node_id()
         self._config = config
+        self._remake = remake
         lower = self._ssd_exists if config.ssd_tier else None
         backend = make_backend(config, server_address, contribute_memory=False)
         self._service = LookupService(backend, lower, Ledger(), self._node_id)
@@ -69,7 +71,10 @@ class LookupActor:
         """Follow the manager's ledger (what tells an evicted block from one never
         stored): one small call every FLUSH_S, never on a lookup's path."""
         manager = ManagerLink(
-            self._config, "Lookup", "misses read as never stored until it answers", recreate=True
+            self._config,
+            "Lookup",
+            "misses read as never stored until it answers",
+            remake=self._remake,
         )
         seq = 0
         while True:

@@ -11,12 +11,15 @@ import os
 import time
 from typing import Any
 
-from kvray import launcher, metrics, remote
+from kvray import metrics, remote
+from kvray.actors import placement
+from kvray.actors.node_config import actor_config
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, KVRayError
 from kvray.index_stream import IndexChange, IndexHub, IndexUpdate
 from kvray.ledger import Entries
+from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.remote import Handle, LookupHandle
 from kvray.servers.process import ServerProcess, is_loopback
@@ -25,6 +28,21 @@ from kvray.servers.supervisor import Supervisor
 logger = logging.getLogger(__name__)
 
 RECONCILE_S = 15.0
+
+
+def make_manager(config: PoolConfig, node_id: str, nodes: int, *, take_back: bool) -> Any:
+    """The pool's manager on ``node_id`` (the running one if there is one). Pinned there
+    (Ray's soft node affinity placed 6 of 6 test actors on another node of two): Ray
+    restarts it there after a crash; when the node is lost, a node actor of the pool on
+    another node makes it again on its own (:class:`~kvray.remote.ManagerLink`)."""
+    opts = placement.options(
+        config,
+        manager_name(config.name),
+        num_cpus=0,
+        max_restarts=-1,
+        scheduling_strategy=placement.on_node(node_id),
+    )
+    return placement.spawn(PoolManagerActor, opts, config.model_dump_json(), nodes, take_back)
 
 
 class PoolManagerActor:
@@ -54,7 +72,7 @@ class PoolManagerActor:
             self._resolved = self._server.client_settings()
         self._address = address
         self._started_at = time.time()
-        self._actor_config_json = launcher.actor_config(config, self._resolved)
+        self._actor_config_json = actor_config(config, self._resolved)
         self._state = PoolState(config.name)
         self._making: dict[Any, asyncio.Lock] = {}
         self._supervisor = Supervisor(self._server, config.name) if self._server else None
@@ -74,7 +92,7 @@ class PoolManagerActor:
         the current server as they start. Engines keep their handles: a restarted client
         maps an engine's region again on its first transfer, and the node channel
         re-attaches."""
-        nodes, lookups = launcher.find_node_actors(self._config, alive)
+        nodes, lookups = placement.find_node_actors(self._config, alive)
         for actors in nodes:
             self._state.nodes[(actors.node_id, actors.slot)] = actors
         self._state.lookups.update(lookups)
@@ -206,7 +224,7 @@ class PoolManagerActor:
 
     async def node_actors(
         self, node_id: str, slot: int, env: dict[str, str] | None = None
-    ) -> launcher.NodeActors:
+    ) -> remote.NodeActors:
         """Slot ``slot``'s actors on ``node_id``, made on first request (idempotent), with
         the requesting engine's native backend knobs ``env`` (those made earlier keep
         theirs: the answer says which, for the engine to compare)."""
@@ -215,9 +233,10 @@ class PoolManagerActor:
         key, nodes = (node_id, slot), self._state.nodes
         async with self._making.setdefault(key, asyncio.Lock()):
             if key not in nodes:
-                nodes[key] = await launcher.create_node_actors(
-                    self._config, self._actor_config_json, self._address, node_id, slot, env
-                )
+                nodes[key] = await placement.create_node_actors(
+                    self._config, self._actor_config_json, self._address, node_id, slot, env,
+                    make_manager,
+                )  # fmt: skip
         return nodes[key]
 
     async def lookup_actor(self, node_id: str, env: dict[str, str] | None = None) -> LookupHandle:
@@ -226,12 +245,13 @@ class PoolManagerActor:
         lookups = self._state.lookups
         async with self._making.setdefault(node_id, asyncio.Lock()):
             if node_id not in lookups:
-                lookups[node_id] = await launcher.create_lookup_actor(
-                    self._config, self._actor_config_json, self._address, node_id, env
-                )
+                lookups[node_id] = await placement.create_lookup_actor(
+                    self._config, self._actor_config_json, self._address, node_id, env,
+                    make_manager,
+                )  # fmt: skip
         return lookups[node_id]
 
-    async def nodes(self) -> list[launcher.NodeActors]:
+    async def nodes(self) -> list[remote.NodeActors]:
         """Every node actor made so far, by node then slot."""
         return self._state.sorted_nodes()
 

@@ -322,11 +322,9 @@ def keep(
     linger_s: float,
     overrides: dict[str, Any] | None = None,
 ) -> int:
-    import ray
-
     from kvray import Pool
     from kvray.config import PoolConfig
-    from kvray.ray_env import ray_init
+    from kvray.ray_env import ray_init, ray_shutdown
 
     files = Files.of(namespace, name)
     stop = False
@@ -365,8 +363,7 @@ def keep(
             "workers on this node: raise world_size"
         )
     print(f"starting a local Ray (loopback) for kvray pool {name!r} ...", flush=True)
-    ray_init("local", namespace=namespace, num_cpus=max(2, os.cpu_count() or 2))
-    address = ray.get_runtime_context().gcs_address
+    address = ray_init("local", namespace=namespace, num_cpus=max(2, os.cpu_count() or 2))
     pool = Pool.start(config)
     state = {
         "pid": os.getpid(),
@@ -399,7 +396,7 @@ def keep(
     finally:
         files.state.unlink(missing_ok=True)
         pool.shutdown()
-        ray.shutdown()
+        ray_shutdown()
     print("stopped", flush=True)
     return 0
 

@@ -27,9 +27,8 @@ from kvray.block_index import key_digests
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
 from kvray.index_stream import IndexChange
-from kvray.launcher import ManagerLink
 from kvray.naming import lookup_name
-from kvray.remote import LookupHandle, ManagerHandle
+from kvray.remote import LookupHandle, ManagerHandle, ManagerLink
 
 logger = logging.getLogger(__name__)
 

@@ -20,68 +20,40 @@ with a different config.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvray import engine_env, remote
-from kvray.backends.registry import spec_of, with_client_settings
+from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import (
     BackendUnavailableError,
-    HashMismatchError,
     KVRayError,
     PoolConflictError,
     PoolNotFoundError,
 )
-from kvray.keys import probe_hash
 from kvray.naming import (
-    client_name,
-    lookup_name,
     manager_name,
-    parse_node_actor,
     placement_group_name,
     region_prefix,
-    ssd_name,
 )
 from kvray.remote import (
-    Call,
-    CallTimeoutError,
+    START_TIMEOUT_S,
     LookupHandle,
     ManagerHandle,
+    NodeActors,
     StoreHandle,
     ready,
 )
 from kvray.shm import remove_leftovers
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 _env_warned: set[tuple[str, int]] = set()
-
-# Start-up of one actor is ~2 s on a loaded 2-core machine; setups that take longer
-# than this are broken, not slow.
-_START_TIMEOUT_S = 120.0
-
-
-@dataclass
-class NodeActors:
-    """One slot's actors on one node (what the manager hands out)."""
-
-    node_id: str
-    slot: int
-    client: StoreHandle
-    ssd: StoreHandle | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    """The engine environment's native backend knobs they were made with
-    (:func:`kvray.engine_env.forwarded` of the process whose request made them)."""
 
 
 @dataclass
@@ -113,14 +85,14 @@ class PoolHandles:
         self._check_slot(slot)
         if slot not in self._clients:
             call = self.manager.node_actors(self.node_id, slot, self.forward_env)
-            self._clients[slot] = self._checked(call.result(_START_TIMEOUT_S))
+            self._clients[slot] = self._checked(call.result(START_TIMEOUT_S))
         return self._clients[slot]
 
     async def aslot(self, slot: int) -> NodeActors:
         self._check_slot(slot)
         if slot not in self._clients:
             call = self.manager.node_actors(self.node_id, slot, self.forward_env)
-            self._clients[slot] = self._checked(await call.aresult(_START_TIMEOUT_S))
+            self._clients[slot] = self._checked(await call.aresult(START_TIMEOUT_S))
         return self._clients[slot]
 
     def _checked(self, actors: NodeActors) -> NodeActors:
@@ -153,58 +125,14 @@ class PoolHandles:
         """This node's Lookup actor (blocking; not for an event loop)."""
         if self._lookup is None:
             call = self.manager.lookup_actor(self.node_id, self.forward_env)
-            self._lookup = call.result(_START_TIMEOUT_S)
+            self._lookup = call.result(START_TIMEOUT_S)
         return self._lookup
 
     async def alookup(self) -> LookupHandle:
         if self._lookup is None:
             call = self.manager.lookup_actor(self.node_id, self.forward_env)
-            self._lookup = await call.aresult(_START_TIMEOUT_S)
+            self._lookup = await call.aresult(START_TIMEOUT_S)
         return self._lookup
-
-
-def _options(
-    config: PoolConfig, name: str, env: dict[str, str] | None = None, **kw: Any
-) -> dict[str, Any]:
-    """Actor options; ``env``: the engine's native backend knobs (they override kvray's
-    defaults, the pool config's own knobs, e.g. Mooncake's offload settings, override
-    them)."""
-    spec = spec_of(config.backend)
-    env_vars = {**spec.client_env_defaults, **(env or {}), **spec.client_env(config)}
-    return {
-        "name": name,
-        "namespace": config.namespace,
-        "get_if_exists": True,
-        "lifetime": "detached" if config.detached else None,
-        "runtime_env": {"env_vars": env_vars},
-        **kw,
-    }
-
-
-def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
-    # Hard affinity: a client elsewhere could not map the node's shared memory.
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
-
-
-def _manager_actor(config: PoolConfig, node_id: str, nodes: int, *, take_back: bool) -> Any:
-    """The pool's manager on ``node_id`` (the running one if there is one). Pinned there
-    (Ray's soft node affinity placed 6 of 6 test actors on another node of two): Ray
-    restarts it there after a crash; when the node is lost, a node actor of the pool on
-    another node makes it again on its own (:class:`ManagerLink`)."""
-    from kvray.actors.manager import PoolManagerActor
-
-    opts = _options(
-        config,
-        manager_name(config.name),
-        num_cpus=0,
-        max_restarts=-1,
-        scheduling_strategy=_on_node(node_id),
-    )
-    return (
-        ray.remote(PoolManagerActor)
-        .options(**opts)
-        .remote(config.model_dump_json(), nodes, take_back)
-    )
 
 
 def launch(config: PoolConfig) -> PoolHandles:
@@ -218,10 +146,12 @@ def launch(config: PoolConfig) -> PoolHandles:
     config_json = config.model_dump_json()
     node_id = remote.node_id()
     nodes = len(remote.alive_nodes())
-    actor = _manager_actor(config, node_id, nodes, take_back=False)
+    from kvray.actors.manager import make_manager  # (the actors: only at launch)
+
+    actor = make_manager(config, node_id, nodes, take_back=False)
     manager = ManagerHandle(actor, f"pool {config.name!r} manager")
     try:
-        spec = manager.spec().result(_START_TIMEOUT_S)
+        spec = manager.spec().result(START_TIMEOUT_S)
     except KVRayError as exc:
         remote.kill(actor)
         raise BackendUnavailableError(f"pool manager failed to start: {exc}") from exc
@@ -254,243 +184,6 @@ def launch(config: PoolConfig) -> PoolHandles:
     return handles
 
 
-async def create_node_actors(
-    config: PoolConfig,
-    actor_config_json: str,
-    server_address: str,
-    node_id: str,
-    slot: int,
-    env: dict[str, str] | None = None,
-) -> NodeActors:
-    """Find or create slot ``slot``'s actors on ``node_id`` and wait until they answer
-    (called by the pool manager, which owns them); ``env``: the requesting engine's
-    native backend knobs, which new actors run with."""
-    from kvray.actors.backend_client import BackendClientActor
-    from kvray.actors.ssd import SsdOffloadActor
-
-    def node_actor(cls: type, name: str, concurrency: int, *args: Any) -> StoreHandle:
-        opts = _options(
-            config,
-            name,
-            env,
-            num_cpus=config.cpus_per_rank,
-            scheduling_strategy=_on_node(node_id),
-            max_restarts=-1,
-            max_task_retries=3,
-            max_concurrency=concurrency,
-        )
-        actor: Any = ray.remote(cls).options(**opts).remote(actor_config_json, slot, *args)
-        return StoreHandle(actor, f"{cls.__name__.removesuffix('Actor')}[{slot}]@{node_id[:8]}")
-
-    ssd = None
-    if config.ssd_tier:
-        ssd = node_actor(SsdOffloadActor, ssd_name(config.name, node_id, slot), 32)
-    client = node_actor(
-        BackendClientActor,
-        client_name(config.name, node_id, slot),
-        32,
-        server_address,
-        ssd,
-    )
-    made = [client] + ([ssd] if ssd is not None else [])
-    try:
-        await _check_started(made, node_id, config)
-    except BaseException:
-        for handle in made:  # a broken actor must not be found by name next time
-            remote.kill(handle.actor)
-        raise
-    return NodeActors(node_id, slot, client, ssd, dict(env or {}))
-
-
-async def create_lookup_actor(
-    config: PoolConfig,
-    actor_config_json: str,
-    server_address: str,
-    node_id: str,
-    env: dict[str, str] | None = None,
-) -> LookupHandle:
-    from kvray.actors.lookup import LookupActor
-
-    opts = _options(
-        config,
-        lookup_name(config.name, node_id),
-        env,
-        num_cpus=0,
-        scheduling_strategy=_on_node(node_id),
-        max_restarts=-1,
-        max_task_retries=3,
-        max_concurrency=64,
-    )
-    actor = ray.remote(LookupActor).options(**opts).remote(actor_config_json, server_address)
-    handle = LookupHandle(actor, f"Lookup@{node_id[:8]}")
-    try:
-        await _check_started([handle], node_id, config)
-    except BaseException:
-        remote.kill(actor)
-        raise
-    return handle
-
-
-def actor_config(config: PoolConfig, resolved: dict[str, Any]) -> str:
-    """The config the rank actors get: the pool's, with what the embedded server chose
-    (MemCache clients need the MetaService's config-store url as well as its url)."""
-    return with_client_settings(config, resolved).model_dump_json()
-
-
-def current_settings(config_json: str, server_address: str) -> tuple[str, str]:
-    """A node actor's config and server address: those it was made with, or, when Ray
-    restarted it, the manager's current ones (a restarted manager runs its embedded
-    server anew, on another node when its own was lost, and restarts the node actors
-    that talk to it)."""
-    if not remote.restarted():
-        return config_json, server_address
-    config = PoolConfig.model_validate_json(config_json)
-    try:
-        actor = remote.find(manager_name(config.name), config.namespace)
-        if actor is None:
-            raise PoolNotFoundError(f"no manager of pool {config.name!r}")
-        spec = ManagerHandle(actor, f"pool {config.name!r} manager").spec().result(_START_TIMEOUT_S)
-    except KVRayError as exc:
-        logger.warning(
-            "pool %s: a restarted actor did not get the pool's current server from the "
-            "manager (%s); it keeps %s",
-            config.name,
-            exc,
-            server_address,
-        )
-        return config_json, server_address
-    current = PoolConfig.model_validate_json(spec["config_json"])
-    return actor_config(current, spec["resolved"]), str(spec["server_address"])
-
-
-def find_node_actors(
-    config: PoolConfig, alive: set[str]
-) -> tuple[list[NodeActors], dict[str, LookupHandle]]:
-    """The node actors of pool ``config`` that live on the nodes ``alive``, found by
-    their names (what a restarted manager takes back)."""
-    found: dict[tuple[str, str, int | None], Any] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        parsed = parse_node_actor(config.name, entry["name"])
-        if entry["namespace"] != config.namespace or parsed is None or parsed[1] not in alive:
-            continue
-        actor = remote.find(entry["name"], config.namespace)
-        if actor is not None:  # (else gone since it was listed)
-            found[parsed] = actor
-    nodes = [
-        NodeActors(
-            node_id,
-            slot,
-            StoreHandle(actor, f"BackendClient[{slot}]@{node_id[:8]}"),
-            StoreHandle(found[("ssd", node_id, slot)], f"SsdOffload[{slot}]@{node_id[:8]}")
-            if ("ssd", node_id, slot) in found
-            else None,
-        )
-        for (kind, node_id, slot), actor in sorted(found.items(), key=str)
-        if kind == "client" and slot is not None
-    ]
-    lookups = {
-        node_id: LookupHandle(actor, f"Lookup@{node_id[:8]}")
-        for (kind, node_id, _), actor in found.items()
-        if kind == "lookup"
-    }
-    return nodes, lookups
-
-
-def on_this_node(config: PoolConfig) -> PoolConfig:
-    """``config`` with what depends on the node filled in (called inside node actors):
-    a Mooncake client advertises the address Ray knows its node by; a datasystem client
-    connects to its node's worker (``yuanrong.node_worker_addresses``)."""
-    node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-    return spec_of(config.backend).on_node(config, node_ip)
-
-
-async def _check_started(
-    actors: list[StoreHandle] | list[LookupHandle], node_id: str, config: PoolConfig
-) -> None:
-    """Wait for every actor; refuse to run if any derives another probe hash."""
-    expected = probe_hash()
-    for handle in actors:
-        try:
-            got = await handle.probe().aresult(_START_TIMEOUT_S)
-        except CallTimeoutError as exc:
-            raise BackendUnavailableError(
-                f"a pool actor on node {node_id[:12]} did not start in {_START_TIMEOUT_S:.0f} "
-                f"s: is the node alive, with {config.cpus_per_rank} CPU free (cpus_per_rank)?"
-            ) from exc
-        except KVRayError as exc:
-            raise BackendUnavailableError(
-                f"a pool actor on node {node_id[:12]} failed to start: {exc}"
-            ) from exc
-        if got["probe_hash"] != expected:
-            raise HashMismatchError(
-                f"an actor on node {node_id[:12]} derives block hash {got['probe_hash']} for "
-                f"the probe, the pool manager {expected}: install the same kvray version on "
-                "every node"
-            )
-
-
-class ManagerLink:
-    """A pool actor's calls to its manager (for background work: the ledger): the manager
-    is found on first use and again after a failure; a failed call answers None and is
-    logged once, with ``consequence``.
-
-    ``recreate`` (the node actors of a detached pool): when the manager is gone for good
-    (its node was lost: it is pinned there, so Ray does not restart it elsewhere), make
-    it again on this node, from the pool config and start-time node count the manager
-    gave when first found. With several such actors, one makes it (``get_if_exists``);
-    the new manager takes back the live nodes' actors (PoolManagerActor._take_back)."""
-
-    def __init__(
-        self, config: PoolConfig, who: str, consequence: str, *, recreate: bool = False
-    ) -> None:
-        self._config = config
-        self._who = who
-        self._consequence = consequence
-        self._manager: ManagerHandle | None = None
-        self._warned = False
-        self._recreate = recreate and config.detached
-        self._pool: tuple[str, int] | None = None
-        """The pool's own config (JSON) and its node count at start, from the manager."""
-
-    async def _find(self) -> ManagerHandle:
-        name, namespace = manager_name(self._config.name), self._config.namespace
-        actor = await asyncio.to_thread(remote.find, name, namespace)
-        if actor is None:
-            if self._pool is None:
-                raise PoolNotFoundError(f"no manager of pool {self._config.name!r}")
-            pool_json, nodes = self._pool
-            logger.warning(
-                "kvray %s: the manager of pool %s is gone (its node was lost); making it "
-                "again on this node",
-                self._who,
-                self._config.name,
-            )
-            config = PoolConfig.model_validate_json(pool_json)
-            actor = await asyncio.to_thread(
-                _manager_actor, config, remote.node_id(), nodes, take_back=True
-            )
-        handle = ManagerHandle(actor, f"pool {self._config.name!r} manager")
-        if self._recreate and self._pool is None:
-            spec = await handle.spec().aresult(self._config.call_timeout_s)
-            self._pool = (str(spec["config_json"]), int(spec["nodes_at_start"]))
-        return handle
-
-    async def call(self, ask: Callable[[ManagerHandle], Call[_T]]) -> _T | None:
-        """``ask(manager)``'s answer, or None (logged once) when it fails."""
-        try:
-            if self._manager is None:
-                self._manager = await self._find()
-            call = ask(self._manager)
-            return await call.aresult(self._config.call_timeout_s)
-        except (ValueError, KVRayError) as exc:
-            self._manager = None
-            if not self._warned:
-                self._warned = True
-                logger.warning("kvray %s: a call to the pool manager failed (%s): %s",
-                               self._who, exc, self._consequence)  # fmt: skip
-            return None
-
-
 def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = True) -> PoolHandles:
     """Handles to the running pool ``name``, for this process's node. ``clients``: this
     process will store or load (refused, naming the fix, when this node cannot reach the
@@ -502,11 +195,11 @@ def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = Tru
             "`kvray up` or Pool.start()"
         )
     manager = ManagerHandle(actor, f"pool {name!r} manager")
-    spec = manager.spec().result(_START_TIMEOUT_S)
+    spec = manager.spec().result(START_TIMEOUT_S)
     config = PoolConfig.model_validate_json(spec["config_json"])
     node_id = remote.node_id()
     if clients and node_id != spec["node_id"]:
-        why = manager.refusal(node_id).result(_START_TIMEOUT_S)
+        why = manager.refusal(node_id).result(START_TIMEOUT_S)
         if why is not None:
             raise BackendUnavailableError(why)
     return PoolHandles(config, spec["server_address"], bool(spec["embedded"]), manager, node_id)

@@ -498,14 +498,14 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
     nodes = await h.manager.nodes().aresult(timeout_s)
     lookups = await h.manager.lookups().aresult(timeout_s)
     alive = await asyncio.to_thread(remote.nodes)
-    first_of_node: dict[str, launcher.NodeActors] = {}
+    first_of_node: dict[str, remote.NodeActors] = {}
     for a in nodes:
         first_of_node.setdefault(a.node_id, a)
 
     def where(node_id: str) -> str:
         return f"{alive.get(node_id, ('?', False))[0]}/{node_id[:8]}"
 
-    async def one(a: launcher.NodeActors) -> RankStatus:
+    async def one(a: remote.NodeActors) -> RankStatus:
         down = RankStatus(a.slot, "", 0, False, RankStats(), node=where(a.node_id))
         if not alive.get(a.node_id, ("", False))[1]:
             down.error = "node gone"

@@ -13,8 +13,7 @@ from kvray.ledger import Entries, Ledger
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from kvray.launcher import NodeActors
-    from kvray.remote import Handle, LookupHandle
+    from kvray.remote import Handle, LookupHandle, NodeActors
 
 logger = logging.getLogger(__name__)
 

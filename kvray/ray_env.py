@@ -16,8 +16,9 @@ def ray_init(
     namespace: str | None = None,
     environ: Mapping[str, str] | None = None,
     **kwargs: Any,
-) -> None:
-    """``ray.init`` that stays on loopback when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``.
+) -> str:
+    """``ray.init`` that stays on loopback when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``;
+    returns the cluster's GCS address.
 
     With that variable set Ray binds 127.0.0.1, but a new local cluster must also be
     told its node address, or it advertises the machine's external one. ``address=
@@ -31,7 +32,7 @@ def ray_init(
     import ray
 
     if ray.is_initialized():
-        return
+        return str(ray.get_runtime_context().gcs_address)
     env = os.environ if environ is None else environ
     if address == "local" and env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
         kwargs.setdefault("_node_ip_address", "127.0.0.1")
@@ -45,6 +46,14 @@ def ray_init(
     ray.init(address=address, namespace=namespace, **kwargs)
     if main_thread:
         _keep_sigterm_handler(own)
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def ray_shutdown() -> None:
+    """Leave the Ray cluster (a cluster this process started ends with it)."""
+    import ray
+
+    ray.shutdown()
 
 
 def _keep_sigterm_handler(own: object) -> None:

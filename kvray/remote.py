@@ -14,7 +14,7 @@ comes out as a :class:`~kvray.errors.KVRayError`:
   -> :class:`~kvray.errors.BackendUnavailableError` with the line that names it.
 
 A handle is a small picklable object around a Ray actor handle: the manager hands
-them out inside :class:`~kvray.launcher.NodeActors`, and Ray carries them like the
+them out inside :class:`NodeActors`, and Ray carries them like the
 actor handles they hold.
 """
 
@@ -22,26 +22,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
 
-from kvray.errors import BackendUnavailableError, KVRayError
+from kvray.config import PoolConfig
+from kvray.errors import BackendUnavailableError, KVRayError, PoolNotFoundError
+from kvray.naming import manager_name
 
 if TYPE_CHECKING:
     from kvray.backends.base import KeyStatus
     from kvray.block_index import IndexSpec
     from kvray.index_stream import IndexChange, IndexUpdate
     from kvray.keys import KeySpace
-    from kvray.launcher import NodeActors
     from kvray.ledger import Entries
     from kvray.lookup import Answer, Placement
     from kvray.shm import RegionSpec
     from kvray.transfer import TransferBatch
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+"""Start-up of one actor is ~2 s on a loaded 2-core machine; setups that take longer than
+this are broken, not slow."""
+
+Remake = Callable[..., Any]
+"""``remake(config, node_id, nodes, take_back=True)``: the pool's manager made again on
+``node_id`` (:func:`kvray.actors.manager.make_manager`)."""
 
 
 class CallTimeoutError(BackendUnavailableError):
@@ -139,6 +151,16 @@ class Call(Generic[T]):
 def node_id() -> str:
     """The Ray node this process runs on."""
     return str(ray.get_runtime_context().get_node_id())
+
+
+def node_ip() -> str:
+    """The address Ray knows this process's node by."""
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
+def named_actors() -> list[dict[str, str]]:
+    """Every named actor of the cluster: its ``name`` and ``namespace``."""
+    return list(ray.util.list_named_actors(all_namespaces=True))
 
 
 def nodes() -> dict[str, tuple[str, bool]]:
@@ -364,6 +386,19 @@ class LookupHandle(Handle):
         return self._call("index_spec")
 
 
+@dataclass
+class NodeActors:
+    """One slot's actors on one node (what the manager hands out)."""
+
+    node_id: str
+    slot: int
+    client: StoreHandle
+    ssd: StoreHandle | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """The engine environment's native backend knobs they were made with
+    (:func:`kvray.engine_env.forwarded` of the process whose request made them)."""
+
+
 class ManagerHandle(Handle):
     """The pool's manager actor (one per pool, named)."""
 
@@ -418,3 +453,64 @@ class ManagerHandle(Handle):
 
     def stop(self) -> Call[None]:
         return self._call("stop")
+
+
+class ManagerLink:
+    """A pool actor's calls to its manager (for background work: the ledger): the manager
+    is found on first use and again after a failure; a failed call answers None and is
+    logged once, with ``consequence``.
+
+    ``remake`` (the node actors of a detached pool get it from the manager): when the
+    manager is gone for good (its node was lost: it is pinned there, so Ray does not
+    restart it elsewhere), make it again on this node, from the pool config and
+    start-time node count the manager gave when first found. With several such actors,
+    one makes it (``get_if_exists``); the new manager takes back the live nodes' actors
+    (PoolManagerActor._take_back)."""
+
+    def __init__(
+        self, config: PoolConfig, who: str, consequence: str, *, remake: Remake | None = None
+    ) -> None:
+        self._config = config
+        self._who = who
+        self._consequence = consequence
+        self._manager: ManagerHandle | None = None
+        self._warned = False
+        self._remake = remake if config.detached else None
+        self._pool: tuple[str, int] | None = None
+        """The pool's own config (JSON) and its node count at start, from the manager."""
+
+    async def _find(self) -> ManagerHandle:
+        name, namespace = manager_name(self._config.name), self._config.namespace
+        actor = await asyncio.to_thread(find, name, namespace)
+        if actor is None:
+            if self._pool is None or self._remake is None:
+                raise PoolNotFoundError(f"no manager of pool {self._config.name!r}")
+            pool_json, nodes = self._pool
+            logger.warning(
+                "kvray %s: the manager of pool %s is gone (its node was lost); making it "
+                "again on this node",
+                self._who,
+                self._config.name,
+            )
+            config = PoolConfig.model_validate_json(pool_json)
+            actor = await asyncio.to_thread(self._remake, config, node_id(), nodes, take_back=True)
+        handle = ManagerHandle(actor, f"pool {self._config.name!r} manager")
+        if self._remake is not None and self._pool is None:
+            spec = await handle.spec().aresult(self._config.call_timeout_s)
+            self._pool = (str(spec["config_json"]), int(spec["nodes_at_start"]))
+        return handle
+
+    async def call(self, ask: Callable[[ManagerHandle], Call[T]]) -> T | None:
+        """``ask(manager)``'s answer, or None (logged once) when it fails."""
+        try:
+            if self._manager is None:
+                self._manager = await self._find()
+            call = ask(self._manager)
+            return await call.aresult(self._config.call_timeout_s)
+        except (ValueError, KVRayError) as exc:
+            self._manager = None
+            if not self._warned:
+                self._warned = True
+                logger.warning("kvray %s: a call to the pool manager failed (%s): %s",
+                               self._who, exc, self._consequence)  # fmt: skip
+            return None

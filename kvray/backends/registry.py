@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, get_args
 
+from kvray.backends.checks import mooncake_checks, yuanrong_checks
 from kvray.config import (
     BackendName,
     MemcachePoolConfig,
@@ -35,7 +36,7 @@ from kvray.servers.process import ServerProcess
 
 if TYPE_CHECKING:
     from kvray.backends.base import Backend
-    from kvray.doctor import Finding, Host
+    from kvray.findings import Finding, Host
 
 DoctorChecks = Callable[[PoolConfig, Mapping[str, str], "Host"], "list[Finding]"]
 
@@ -186,12 +187,6 @@ def _mooncake_on_node(config: PoolConfig, node_ip: str) -> PoolConfig:
     return config.model_copy(update={"mooncake": mooncake})
 
 
-def _mooncake_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
-    from kvray.doctor import mooncake_checks
-
-    return mooncake_checks(cfg, env, host)
-
-
 def _mooncake_reachability(config: PoolConfig) -> list[tuple[str, str]]:
     address = _mc(config).mooncake.master_server_address
     return [("mooncake.master_server_address", address)] if address else []
@@ -218,7 +213,7 @@ MOONCAKE = BackendSpec(
     client_env_defaults=MappingProxyType({"MC_STORE_CLIENT_SETUP_RETRIES": "1"}),
     client_env=lambda c: _mc(c).mooncake.offload.env(),
     on_node=_mooncake_on_node,
-    doctor_checks=_mooncake_checks,
+    doctor_checks=mooncake_checks,
 )
 
 
@@ -256,12 +251,6 @@ def _yuanrong_reachability(c: PoolConfig) -> list[tuple[str, str]]:
     ]
 
 
-def _yuanrong_checks(cfg: PoolConfig, env: Mapping[str, str], host: Host) -> list[Finding]:
-    from kvray.doctor import yuanrong_checks
-
-    return yuanrong_checks(cfg, env, host)
-
-
 YUANRONG = BackendSpec(
     name="yuanrong",
     server_name="datasystem worker",
@@ -282,7 +271,7 @@ YUANRONG = BackendSpec(
         "yuanrong.worker_address and node_worker_addresses, or keep engines on the "
         "pool's node"
     ),
-    doctor_checks=_yuanrong_checks,
+    doctor_checks=yuanrong_checks,
 )
 
 

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from kvray import cli, doctor
+from kvray.backends import checks
 from kvray.config import GiB, MiB, PoolConfig
 from kvray.doctor import Finding, Host
 
@@ -58,7 +59,7 @@ def test_fabric_memory_needs_whole_gib_buffers_including_the_offload_default(tmp
         doctor.check_pool(ok, {"ASCEND_ENABLE_USE_FABRIC_MEM": "1"}, HOST), "fabric memory"
     )
     # Without fabric memory nothing is asked of the sizes.
-    assert not doctor._fabric(cfg, {})
+    assert not checks._fabric(cfg, {})
 
 
 def test_client_ttl_with_ssd_offload(tmp_path):

@@ -3,10 +3,9 @@ forgetting dead nodes, hash fingerprints, the ledger's updates."""
 
 from __future__ import annotations
 
-from kvray.launcher import NodeActors
 from kvray.ledger import Seen
 from kvray.pool_state import PoolState
-from kvray.remote import LookupHandle, StoreHandle
+from kvray.remote import LookupHandle, NodeActors, StoreHandle
 
 
 def _state() -> PoolState:

@@ -24,6 +24,7 @@ from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.remote import Handle, LookupHandle
 from kvray.servers.process import ServerProcess, is_loopback
 from kvray.servers.supervisor import Supervisor
+from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class PoolManagerActor:
     async def _export_server(self, url: str) -> None:
         """The embedded server's own view (the master's capacity, used, keys, evictions)
         as the pool's metrics, and for ``kvray status``."""
-        exporter, warned = None, False
+        exporter, warn = None, WarnOnce(logger)
         while True:
             try:
                 values = await asyncio.to_thread(metrics.scrape, url)
@@ -138,15 +139,14 @@ class PoolManagerActor:
                     exporter = metrics.StatsExporter(self._config.name, "manager", self._node_id)
                 exporter.export_server(self._server_metrics)
             except Exception as exc:  # metrics never fail the pool
-                if not warned:
-                    warned = True
-                    logger.warning(
-                        "pool %s: reading the %s's metrics at %s failed (%s)",
-                        self._config.name,
-                        self._server_kind,
-                        url,
-                        exc,
-                    )
+                warn(
+                    "scrape",
+                    "pool %s: reading the %s's metrics at %s failed (%s)",
+                    self._config.name,
+                    self._server_kind,
+                    url,
+                    exc,
+                )
             # Read every second where the block indexes need its eviction counter.
             await asyncio.sleep(1.0 if self._index is not None else metrics.EXPORT_S)
 

@@ -29,6 +29,7 @@ from kvray.errors import KVRayError
 from kvray.index_stream import IndexChange
 from kvray.naming import lookup_name
 from kvray.remote import LookupHandle, ManagerHandle, ManagerLink
+from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class IndexPublisher:
         self._hub_ready = asyncio.Event()
         self._keeper: LookupHandle | None = None
         self._keeper_retry_at = 0.0
-        self._warned = False
+        self._warn = WarnOnce(logger)
         self.sweep: EvictionSweep | None = None
         """A BackendClient's reconcile of its stored keys (set by it)."""
 
@@ -154,14 +155,8 @@ class IndexPublisher:
             await keeper.index_apply(changes).aresult(self._config.call_timeout_s)
         except KVRayError as exc:
             self._keeper, self._keeper_retry_at = None, time.monotonic() + KEEPER_RETRY_S
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "kvray %s: this node's block index did not take a change (%s); it gets "
-                    "it from the pool's stream",
-                    self._who,
-                    exc,
-                )
+            self._warn("keeper", "kvray %s: this node's block index did not take a change (%s); "
+                       "it gets it from the pool's stream", self._who, exc)  # fmt: skip
 
     async def _find_keeper(self) -> LookupHandle | None:
         if self._keeper is None and time.monotonic() >= self._keeper_retry_at:

@@ -51,9 +51,10 @@ from kvray.remote import (
     ready,
 )
 from kvray.shm import remove_leftovers
+from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
-_env_warned: set[tuple[str, int]] = set()
+_env_warn = WarnOnce(logger)
 
 
 @dataclass
@@ -98,9 +99,9 @@ class PoolHandles:
     def _checked(self, actors: NodeActors) -> NodeActors:
         assert isinstance(actors, NodeActors), f"manager answered {actors!r}: kvray's bug"
         diffs = engine_env.env_differences(actors.env, self.forward_env)
-        if diffs and (self.config.name, actors.slot) not in _env_warned:
-            _env_warned.add((self.config.name, actors.slot))
-            logger.warning(
+        if diffs:
+            _env_warn(
+                (self.config.name, actors.slot),
                 "kvray pool %r: the clients of slot %d on this node were started with other "
                 "backend settings than this process's environment, and keep theirs: %s. Fix: "
                 "set them alike in every engine's environment, or restart the pool's clients "

@@ -36,6 +36,7 @@ from kvray.keys import KeySpace
 from kvray.ledger import Ledger, Seen, block_digest
 from kvray.misses import counter
 from kvray.stats import RankStats
+from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class LookupService:
         self.stats = RankStats()
         self.ssd_asks: Counter[Place] = Counter()
         """How often each SSD tier was asked, by node and slot (the Lookup actor's snapshot)."""
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce(logger, " (further ones are only counted)")
 
     async def lookup(
         self,
@@ -276,8 +277,3 @@ class LookupService:
                 exc,
             )
             return [False] * len(keys)
-
-    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning("%s (further ones are only counted)", msg % args)

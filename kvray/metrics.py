@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvray.stats import RankStats
+from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ async def export_forever(
     segment_bytes)`` handed to Ray. A failure is logged once and never ends the actor."""
     from kvray import remote
 
-    warned = False
+    warn = WarnOnce(logger)
     exporter: StatsExporter | None = None
     while True:
         await asyncio.sleep(EXPORT_S)
@@ -179,9 +180,7 @@ async def export_forever(
             stats, segment = await read()
             exporter.export(stats, segment)
         except Exception as exc:  # a metrics failure must not fail the pool
-            if not warned:
-                warned = True
-                logger.warning("kvray %s: exporting metrics to Ray failed (%s)", role, exc)
+            warn("export", "kvray %s: exporting metrics to Ray failed (%s)", role, exc)
 
 
 Snapshot = tuple[RankStats, int | None]

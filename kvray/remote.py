@@ -33,6 +33,7 @@ import ray
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, KVRayError, PoolNotFoundError
 from kvray.naming import manager_name
+from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
     from kvray.backends.base import KeyStatus
@@ -474,7 +475,7 @@ class ManagerLink:
         self._who = who
         self._consequence = consequence
         self._manager: ManagerHandle | None = None
-        self._warned = False
+        self._warn = WarnOnce(logger)
         self._remake = remake if config.detached else None
         self._pool: tuple[str, int] | None = None
         """The pool's own config (JSON) and its node count at start, from the manager."""
@@ -509,8 +510,6 @@ class ManagerLink:
             return await call.aresult(self._config.call_timeout_s)
         except (ValueError, KVRayError) as exc:
             self._manager = None
-            if not self._warned:
-                self._warned = True
-                logger.warning("kvray %s: a call to the pool manager failed (%s): %s",
-                               self._who, exc, self._consequence)  # fmt: skip
+            self._warn("call", "kvray %s: a call to the pool manager failed (%s): %s",
+                       self._who, exc, self._consequence)  # fmt: skip
             return None

@@ -43,6 +43,7 @@ from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.errors import ConfigError
 from kvray.misses import counter as miss_counter
+from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,7 +90,7 @@ class KVRayScheduler:
         self.block_size = info.block_size
         pool = pool if pool is not None else attach_pool(info.config, info.local_workers)
         self.stats = KVRayConnectorStats()
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce(logger, " (further ones are only counted)")
         self._lookups = Lookups(
             pool.lookup(),  # this node's: the scheduler's
             waits if waits is not None else RayWaits(),
@@ -570,8 +571,3 @@ class KVRayScheduler:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_frees or self._delayed)
-
-    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning("%s (further ones are only counted)", msg % args)

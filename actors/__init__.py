@@ -1,5 +1,6 @@
 """Thin Ray actor shells around kvray's cores (shipped as ``kvray.actors``).
 
-Only :mod:`kvray.launcher` applies ``ray.remote`` to these classes; the cores they wrap
-never import them.
+They are made here (:mod:`kvray.actors.placement`, and the manager by
+:func:`kvray.actors.manager.make_manager`); of kvray's cores only :mod:`kvray.launcher`
+imports them (docs/architecture.md, "Layering").
 """

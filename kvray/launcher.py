@@ -1,7 +1,7 @@
-"""Starting, attaching to and stopping a pool's Ray actors.
-
-All Ray placement decisions are made here, and this is the only module of the ``kvray``
-package that imports the actor shells of ``kvray.actors``.
+"""A driver's side of a pool: starting it, attaching to it and stopping it, and the
+handles a process holds (:class:`PoolHandles`). The only module of kvray's cores that
+imports the actor shells of ``kvray.actors`` (to make the manager at ``kvray up``);
+where the actors are placed is :mod:`kvray.actors.placement`.
 
 A pool is cluster-wide: a PoolManager actor (the spec, the registry of the pool's node
 actors, and the backend's embedded server when no address is configured:

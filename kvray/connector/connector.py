@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvray.connector.common import instance_info, log_through_vllm
+from kvray.connector.instance import instance_info
+from kvray.connector.log_lines import log_through_vllm
 from kvray.connector.metadata import KVRayMetadata
 from kvray.connector.stats import KVRayConnectorStats, KVRayPromMetrics
 

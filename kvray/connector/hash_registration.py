@@ -19,7 +19,7 @@ from kvray.connector.fingerprint import current as current_fingerprint
 from kvray.errors import KVRayError
 
 if TYPE_CHECKING:
-    from kvray.connector.common import InstanceInfo
+    from kvray.connector.instance import InstanceInfo
     from kvray.remote import Call, ManagerHandle
 
 logger = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ In an engine's own log, vLLM prefixes the lines of an engine-core process with
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -80,3 +81,17 @@ def key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1) -> KeySpace 
     namespace, layout, geometries = found.groups()
     g = tuple(geometries.split(","))
     return KeySpace(namespace, layout, len(g) // pp_size, pp_size, layer_groups, g)
+
+
+def log_through_vllm() -> None:
+    """Send kvray's records to vLLM's handlers (its format, its level switch), unless the
+    application configured the ``kvray`` logger itself."""
+    ours = logging.getLogger("kvray")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    # INFO, or DEBUG with vLLM's (VLLM_LOGGING_LEVEL=DEBUG: per-request timelines too).
+    ours.setLevel(min(logging.INFO, theirs.getEffectiveLevel()))
+    ours.propagate = False

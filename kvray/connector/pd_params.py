@@ -21,8 +21,8 @@ from kvray.connector.fingerprint import FIX
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvray.connector.common import InstanceInfo
     from kvray.connector.hash_registration import HashRegistration
+    from kvray.connector.instance import InstanceInfo
     from kvray.connector.stats import KVRayConnectorStats
 
 PARAMS_KEY = "kvray"

@@ -29,7 +29,7 @@ from kvray.transfer import TransferBatch
 if TYPE_CHECKING:
     import torch
 
-    from kvray.connector.common import InstanceInfo
+    from kvray.connector.instance import InstanceInfo
     from kvray.connector.kv_geometry import KVEntry
     from kvray.connector.metadata import BlockOp
     from kvray.shm import RegionSpec, SharedRegion

@@ -31,9 +31,10 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
-from kvray.connector.common import InstanceInfo, attach_pool
 from kvray.connector.hash_registration import HashRegistration
+from kvray.connector.instance import InstanceInfo
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT
 from kvray.connector.lookups import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata

@@ -24,8 +24,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvray.channel import ChannelStore
+from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
-from kvray.connector.common import InstanceInfo, attach_pool
+from kvray.connector.instance import InstanceInfo
 from kvray.connector.loads import Loader
 from kvray.connector.metadata import KVRayHandshake, KVRayMetadata
 from kvray.connector.region import KVRegion

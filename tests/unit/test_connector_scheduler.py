@@ -24,8 +24,8 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvray.config import ConnectorConfig, validate  # noqa: E402
-from kvray.connector.common import InstanceInfo  # noqa: E402
 from kvray.connector.fingerprint import current as current_fingerprint  # noqa: E402
+from kvray.connector.instance import InstanceInfo  # noqa: E402
 from kvray.connector.metadata import BlockOp  # noqa: E402
 from kvray.connector.scheduler import KVRayScheduler, hash_bytes  # noqa: E402
 from kvray.connector.timeline import StepTimes  # noqa: E402

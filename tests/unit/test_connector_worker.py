@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from kvray.backends.base import KeyStatus  # noqa: E402
 from kvray.config import ConnectorConfig, PoolConfig, validate  # noqa: E402
 from kvray.connector import worker as worker_mod  # noqa: E402
-from kvray.connector.common import InstanceInfo  # noqa: E402
+from kvray.connector.instance import InstanceInfo  # noqa: E402
 from kvray.connector.metadata import BlockOp, KVRayMetadata  # noqa: E402
 from kvray.connector.worker import KVRayWorker  # noqa: E402
 from kvray.errors import BackendUnavailableError, ConfigError  # noqa: E402

@@ -241,7 +241,7 @@ def test_placement_settings_are_validated():
 def test_pools_that_move_device_memory_are_refused_by_the_connector():
     pytest.importorskip("vllm", reason="the connector package imports vLLM")
     from kvray.config import PoolConfig
-    from kvray.connector.common import check_host_transfers
+    from kvray.connector.attach import check_host_transfers
 
     check_host_transfers(PoolConfig.from_dict({"backend": "yuanrong"}, environ={}))
     npu = {"backend": "yuanrong", "yuanrong": {"device": "npu"}}

@@ -233,12 +233,7 @@ def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
             ray.util.get_placement_group(placement_group_name(handles.config.name))
         )
     remove_leftovers(region_prefix(handles.config.name))
-    cleanup = spec_of(handles.config.backend).node_cleanup
-    if cleanup is not None:
-        # Killed actors leave files behind (MemCache: their client conf); give the
-        # killed processes a moment to exit first.
-        time.sleep(1)
-        cleanup()
+    spec_of(handles.config.backend).node_cleanup()
 
 
 def shutdown(handles: PoolHandles, timeout_s: float = 10.0) -> None:

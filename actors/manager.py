@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -291,23 +290,23 @@ class PoolManagerActor:
     async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self._state.fingerprints
 
-    async def spec(self) -> dict[str, Any]:
+    async def spec(self) -> remote.PoolSpec:
         self._ensure_reconciler()
-        return {
-            "config_json": self._config_json,
-            "server_address": self._address,
-            "server_kind": self._server_kind,
-            "embedded": self._server is not None,
-            "server_pid": self._server.pid if self._server else None,
-            "server_alive": self._server.alive() if self._server else None,
-            "server_restarts": self._supervisor.restarts if self._supervisor else 0,
-            "started_at": self._started_at,
-            "node_pid": os.getpid(),
-            "node_id": self._node_id,
-            "node_ip": self._node_ip,
-            "resolved": self._resolved,
-            "nodes_at_start": self._nodes_at_start,
-        }
+        server = self._server
+        return remote.PoolSpec(
+            self._config_json,
+            self._address,
+            self._server_kind,
+            server is not None,
+            server.pid if server else None,
+            server.alive() if server else None,
+            self._supervisor.restarts if self._supervisor else 0,
+            self._started_at,
+            self._node_id,
+            self._node_ip,
+            self._resolved,
+            self._nodes_at_start,
+        )
 
     async def stop(self) -> None:
         if self._supervisor is not None:

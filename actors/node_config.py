@@ -44,8 +44,8 @@ def current_settings(config_json: str, server_address: str) -> tuple[str, str]:
             server_address,
         )
         return config_json, server_address
-    current = PoolConfig.model_validate_json(spec["config_json"])
-    return actor_config(current, spec["resolved"]), str(spec["server_address"])
+    current = PoolConfig.model_validate_json(spec.config_json)
+    return actor_config(current, spec.resolved), spec.server_address
 
 
 def on_this_node(config: PoolConfig) -> PoolConfig:

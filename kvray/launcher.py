@@ -156,13 +156,13 @@ def launch(config: PoolConfig) -> PoolHandles:
     except KVRayError as exc:
         remote.kill(actor)
         raise BackendUnavailableError(f"pool manager failed to start: {exc}") from exc
-    if spec["config_json"] != config_json:
+    if spec.config_json != config_json:
         raise PoolConflictError(
             f"pool {config.name!r} already runs in namespace {config.namespace!r} with a "
             "different config: attach to it (Pool.attach / kvray status), stop it "
             "(kvray down), or choose another name"
         )
-    handles = PoolHandles(config, spec["server_address"], bool(spec["embedded"]), manager, node_id)
+    handles = PoolHandles(config, spec.server_address, spec.embedded, manager, node_id)
     try:
         for slot in range(config.world_size):
             handles.slot(slot)
@@ -177,9 +177,7 @@ def launch(config: PoolConfig) -> PoolHandles:
         node_id[:12],
         config.backend,
         handles.server_address,
-        f"embedded {spec['server_kind']}"
-        if spec["embedded"]
-        else f"external {spec['server_kind']}",
+        f"{'embedded' if spec.embedded else 'external'} {spec.server_kind}",
         time.monotonic() - started,
     )
     return handles
@@ -197,13 +195,13 @@ def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = Tru
         )
     manager = ManagerHandle(actor, f"pool {name!r} manager")
     spec = manager.spec().result(START_TIMEOUT_S)
-    config = PoolConfig.model_validate_json(spec["config_json"])
+    config = PoolConfig.model_validate_json(spec.config_json)
     node_id = remote.node_id()
-    if clients and node_id != spec["node_id"]:
+    if clients and node_id != spec.node_id:
         why = manager.refusal(node_id).result(START_TIMEOUT_S)
         if why is not None:
             raise BackendUnavailableError(why)
-    return PoolHandles(config, spec["server_address"], bool(spec["embedded"]), manager, node_id)
+    return PoolHandles(config, spec.server_address, spec.embedded, manager, node_id)
 
 
 def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:

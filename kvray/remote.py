@@ -400,12 +400,33 @@ class NodeActors:
     (:func:`kvray.engine_env.forwarded` of the process whose request made them)."""
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """What the manager says of its pool (:meth:`ManagerHandle.spec`)."""
+
+    config_json: str
+    server_address: str
+    server_kind: str
+    embedded: bool
+    server_pid: int | None
+    """The embedded server's process (None: an external server)."""
+    server_alive: bool | None
+    server_restarts: int
+    started_at: float
+    node_id: str
+    """The manager's node, and the address Ray knows it by."""
+    node_ip: str
+    resolved: dict[str, Any]
+    """What the embedded server chose that its clients need (``client_settings``)."""
+    nodes_at_start: int
+
+
 class ManagerHandle(Handle):
     """The pool's manager actor (one per pool, named)."""
 
     __slots__ = ()
 
-    def spec(self) -> Call[dict[str, Any]]:
+    def spec(self) -> Call[PoolSpec]:
         return self._call("spec")
 
     def node_actors(self, node_id: str, slot: int, env: dict[str, str]) -> Call[NodeActors]:
@@ -498,7 +519,7 @@ class ManagerLink:
         handle = ManagerHandle(actor, f"pool {self._config.name!r} manager")
         if self._remake is not None and self._pool is None:
             spec = await handle.spec().aresult(self._config.call_timeout_s)
-            self._pool = (str(spec["config_json"]), int(spec["nodes_at_start"]))
+            self._pool = (spec.config_json, spec.nodes_at_start)
         return handle
 
     async def call(self, ask: Callable[[ManagerHandle], Call[T]]) -> T | None:

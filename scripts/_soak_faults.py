@@ -210,7 +210,7 @@ class Faults:
     def kill_master(self) -> Evidence:
         manager = self._manager()
         spec = manager.spec().result(30)
-        pid, restarts = spec["server_pid"], int(spec["server_restarts"])
+        pid, restarts = spec.server_pid, spec.server_restarts
         if pid is None:
             raise FaultNotShown("the pool runs no embedded master to kill")
         killed = time.monotonic()
@@ -218,9 +218,9 @@ class Faults:
 
         def restarted() -> tuple[int, int] | None:
             now = manager.spec().result(30)
-            ok = now["server_pid"] not in (None, pid) and now["server_alive"]
-            ok = ok and int(now["server_restarts"]) > restarts
-            return (int(now["server_pid"]), int(now["server_restarts"])) if ok else None
+            ok = now.server_pid not in (None, pid) and bool(now.server_alive)
+            ok = ok and now.server_restarts > restarts
+            return (now.server_pid, now.server_restarts) if ok and now.server_pid else None
 
         (new_pid, new_restarts), restarted_s = self._until(
             restarted, "mooncake_master restarted by the pool", killed

@@ -44,18 +44,18 @@ def test_embedded_meta_service_lifecycle_through_the_manager(ray_cluster):
         ray.remote(PoolManagerActor).options(namespace="kvray-test").remote(cfg.model_dump_json())
     )
     spec = ray.get(manager.spec.remote())
-    assert spec["embedded"] and spec["server_alive"]
-    assert spec["server_kind"] == "MemCache MetaService"
-    assert spec["resolved"]["meta_service_url"] == spec["server_address"]
-    assert spec["resolved"]["config_store_url"].startswith("tcp://127.0.0.1:")
-    assert psutil.Process(spec["server_pid"]).is_running()
+    assert spec.embedded and spec.server_alive
+    assert spec.server_kind == "MemCache MetaService"
+    assert spec.resolved["meta_service_url"] == spec.server_address
+    assert spec.resolved["config_store_url"].startswith("tcp://127.0.0.1:")
+    assert psutil.Process(spec.server_pid).is_running()
     assert len(glob.glob("/tmp/kvray/mmc-mmcmgr-*")) == 1, "the service's fresh directory"
     ray.get(manager.stop.remote())
-    assert not psutil.pid_exists(spec["server_pid"]) or (
-        psutil.Process(spec["server_pid"]).status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(spec.server_pid) or (
+        psutil.Process(spec.server_pid).status() == psutil.STATUS_ZOMBIE
     )
     assert glob.glob("/tmp/kvray/mmc-mmcmgr-*") == []
-    assert not (PTRACER_DIR / f"ptracer_{spec['server_pid']}.dat").exists()
+    assert not (PTRACER_DIR / f"ptracer_{spec.server_pid}.dat").exists()
     ray.kill(manager)
 
 

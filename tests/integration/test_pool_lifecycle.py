@@ -44,15 +44,15 @@ def test_embedded_master_lifecycle(ray_cluster):
     cfg = small_config(None, world_size=1)
     pool = Pool.start(cfg)
     spec = pool._h.manager.spec().result(30)
-    assert spec["embedded"] and spec["server_alive"]
-    master = psutil.Process(spec["server_pid"])
+    assert spec.embedded and spec.server_alive
+    master = psutil.Process(spec.server_pid)
     assert "mooncake_master" in " ".join(master.cmdline())
     assert pool.server_address.startswith("127.0.0.1:")
     pool.put("k", np.arange(100, dtype=np.int64))
     assert np.array_equal(pool.get("k", shape=(100,), dtype=np.int64), np.arange(100))
     pool.shutdown()
     master.wait(timeout=10)
-    assert_nothing_left(cfg, spec["server_pid"])
+    assert_nothing_left(cfg, spec.server_pid)
 
 
 def test_start_is_idempotent_and_attach_finds_data(ray_cluster, mooncake_master):

@@ -145,17 +145,17 @@ def test_the_pool_restarts_its_embedded_server_on_the_same_address(ray_cluster, 
     try:
         assert _serves(pool, "before", 1)
         spec = ray.get(manager.spec.remote())
-        assert spec["server_restarts"] == 0
-        os.kill(spec["server_pid"], signal.SIGKILL)  # a crash (or the OOM killer)
+        assert spec.server_restarts == 0
+        os.kill(spec.server_pid, signal.SIGKILL)  # a crash (or the OOM killer)
         deadline = time.monotonic() + BACK_S
         while True:
             now = ray.get(manager.spec.remote())
-            if now["server_restarts"] == 1 and now["server_alive"]:
+            if now.server_restarts == 1 and now.server_alive:
                 break
             assert time.monotonic() < deadline, f"the {backend} server was not restarted"
             time.sleep(0.2)
-        assert now["server_pid"] != spec["server_pid"]
-        assert now["server_address"] == spec["server_address"] == pool.server_address
+        assert now.server_pid != spec.server_pid
+        assert now.server_address == spec.server_address == pool.server_address
         _check_back(pool)
     finally:
         pool.shutdown()

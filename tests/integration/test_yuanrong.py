@@ -217,8 +217,8 @@ def test_embedded_worker_pool_lifecycle(ray_cluster):
     pool = Pool.start(cfg)
     manager = ray.get_actor(manager_name(cfg.name), namespace=cfg.namespace)
     spec = ray.get(manager.spec.remote())
-    assert spec["embedded"] and spec["server_alive"] and spec["server_kind"] == "datasystem worker"
-    worker = psutil.Process(spec["server_pid"])
+    assert spec.embedded and spec.server_alive and spec.server_kind == "datasystem worker"
+    worker = psutil.Process(spec.server_pid)
     assert "datasystem_worker" in worker.name() or "datasystem_worker" in " ".join(worker.cmdline())
     home = next(a.split("=", 1)[1] for a in worker.cmdline() if a.startswith("--log_dir="))
     home = str(Path(home).parent)
@@ -229,8 +229,8 @@ def test_embedded_worker_pool_lifecycle(ray_cluster):
     status = pool.stats()
     assert "embedded datasystem worker" in status.table()
     pool.shutdown()
-    assert not psutil.pid_exists(spec["server_pid"]) or (
-        psutil.Process(spec["server_pid"]).status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(spec.server_pid) or (
+        psutil.Process(spec.server_pid).status() == psutil.STATUS_ZOMBIE
     )
     assert not Path(home).exists(), "the pool's worker directory was left behind"
     assert glob.glob(f"/dev/shm/{region_prefix(cfg.name)}-*") == []  # no file, ever

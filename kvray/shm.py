@@ -163,14 +163,20 @@ class SharedRegion:
 
 
 def process_gone(pid: int) -> bool:
-    """Whether no process ``pid`` exists (one we may not signal counts as existing)."""
+    """Whether no process ``pid`` runs: none exists, or it exited and its parent has not
+    reaped it yet (a zombie: a killed Ray worker until its raylet reaps it). One we may
+    not signal counts as running."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
         return False
-    return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def remove_leftovers(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[str]:

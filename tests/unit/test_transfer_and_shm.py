@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -219,3 +220,23 @@ def test_sweep_drops_a_dead_creators_region():
     gc.collect()
     with open("/proc/self/maps") as maps:
         assert "/memfd:kvray-unittest-sweep" not in maps.read()
+
+
+def test_a_process_that_exited_unreaped_counts_as_gone():
+    """A killed Ray worker stays a zombie until its raylet reaps it; what it left (a
+    MemCache client conf, a region file) is stale already."""
+    from kvray.shm import process_gone
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not process_gone(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not process_gone(child.pid):  # exited, not reaped: a zombie
+            assert time.monotonic() < deadline, "a killed, unreaped child never counted gone"
+            time.sleep(0.01)
+        assert os.path.exists(f"/proc/{child.pid}")  # still there, unreaped
+    finally:
+        child.kill()
+        child.wait()
+    assert process_gone(child.pid)

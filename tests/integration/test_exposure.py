@@ -65,7 +65,7 @@ def test_a_running_pool_listens_on_loopback_but_mooncakes_data_port(ray_cluster,
         space = KeySpace("exposure", KVLayout("float16", 16, 8, 128).tag())
         assert pool.lookup(space, list(chain_block_hashes(list(range(64)), 16))) == 0
         manager = ray.get_actor(manager_name(cfg.name), namespace=cfg.namespace)
-        server = psutil.Process(ray.get(manager.spec.remote())["server_pid"])
+        server = psutil.Process(ray.get(manager.spec.remote()).server_pid)
         server_pids = {server.pid, *(c.pid for c in server.children(recursive=True))}
         new = {addr: pid for addr, pid in _listening().items() if addr not in before}
         titles = {pid: _title(pid) for pid in new.values()}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.backends.base import KeyStatus
 from kvray.errors import KVRayError
+from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Transfers, Waits
@@ -99,6 +100,7 @@ class Saver:
         """The bound step's saves (emptied when they failed as a whole)."""
         self._step_no = 0
         self._lw: _LayerwiseSave | None = None
+        self._warn = WarnOnce(logger, " (further ones are only counted)")
 
     def bind(self, saves: list[BlockOp], step: int) -> None:
         self._step, self._step_no = saves, step
@@ -169,6 +171,10 @@ class Saver:
         try:
             statuses = put.call.result(None)
             ok = sum(s is KeyStatus.OK for s in statuses)
+            failed = sorted({s.value for s in statuses if s is not KeyStatus.OK})
+            if failed:  # the pool lacks these blocks: say why, once per kind
+                self._warn(tuple(failed), "rank %d: %d of %d blocks not stored: %s", self._rank,
+                           len(statuses) - ok, len(statuses), ", ".join(failed))  # fmt: skip
         except KVRayError as exc:
             logger.warning("rank %d: save of %d blocks failed: %s", self._rank, put.blocks, exc)
             ok = 0

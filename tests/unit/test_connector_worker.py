@@ -6,6 +6,7 @@ which must reach vLLM as failed blocks, never as used bytes."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -214,12 +215,14 @@ def test_a_get_that_times_out_is_reported_failed_never_used(engine, placement):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_save_the_pool_has_no_room_for_is_counted(engine, placement):
+def test_a_save_the_pool_has_no_room_for_is_counted(engine, placement, caplog):
     e = engine(placement)
     full = e.worker.info.space.rank_key_strs(list(_hashes(2)), 0)[0]
     e.store.force[full] = KeyStatus.POOL_FULL
-    e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
-    e.worker.get_finished(set())
+    with caplog.at_level(logging.WARNING, "kvray"):
+        e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
+        e.worker.get_finished(set())
+    assert "rank 0: 1 of 3 blocks not stored: pool_full" in caplog.text  # said, once
     assert (e.stat("saved_blocks"), e.stat("save_failed_blocks")) == (2, 1)
     assert e.stat("saved_bytes") == 2 * BLOCK_BYTES
     assert full not in e.store.objects and len(e.store.objects) == 2

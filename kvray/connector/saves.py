@@ -171,8 +171,8 @@ class Saver:
         try:
             statuses = put.call.result(None)
             ok = sum(s is KeyStatus.OK for s in statuses)
-            failed = sorted({s.value for s in statuses if s is not KeyStatus.OK})
-            if failed:  # the pool lacks these blocks: say why, once per kind
+            if ok < len(statuses):  # the pool lacks these blocks: say why, once per kind
+                failed = sorted({s.value for s in statuses if s is not KeyStatus.OK})
                 self._warn(tuple(failed), "rank %d: %d of %d blocks not stored: %s", self._rank,
                            len(statuses) - ok, len(statuses), ", ".join(failed))  # fmt: skip
         except KVRayError as exc:

@@ -79,6 +79,7 @@ class BackendClientActor:
             ]
             if self._index is not None:
                 self._background.append(loop.create_task(self._index.run()))
+                self._background.append(loop.create_task(self._index.find()))
                 self._background.append(loop.create_task(self._sweep_evictions()))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:

@@ -185,3 +185,41 @@ def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> Non
     sweep.stored(["k601"])  # stored again: the newest
     sweep.seen_evicted = 112
     assert sweep.due()[:1] == ["k602"]
+
+
+def test_a_new_publisher_finds_its_keeper_as_soon_as_it_exists_and_calls_it_once(
+    monkeypatch,
+) -> None:
+    """An embedded pool's first engine attaches its worker (the BackendClient, this
+    publisher) seconds before its scheduler makes the node's keeper: the publisher looks
+    for it every KEEPER_FIRST_S meanwhile and makes the first call, so the first store's
+    read-your-writes pays for neither (it did: up to 100 ms on a busy host, and before
+    that a keeper not found yet was looked for again only after KEEPER_RETRY_S)."""
+    from kvray import index_publisher
+    from kvray.config import PoolConfig
+
+    monkeypatch.setattr(index_publisher, "KEEPER_FIRST_S", 0.01)
+    calls: list[list[IndexChange]] = []
+
+    class Done:
+        async def aresult(self, timeout_s: float) -> None:
+            return None
+
+    class Keeper:
+        def index_apply(self, changes: list[IndexChange]) -> Done:
+            calls.append(changes)
+            return Done()
+
+    found = iter([None, None, None, Keeper()])
+    tries: list[float] = []
+
+    def find(name: str, namespace: str) -> object:
+        tries.append(0)
+        return next(found)
+
+    monkeypatch.setattr(index_publisher.remote, "find", find)
+    monkeypatch.setattr(index_publisher, "LookupHandle", lambda actor, name: actor)
+    pub = index_publisher.IndexPublisher(PoolConfig.from_dict({}, environ={}), "node-1", "test")
+    asyncio.run(asyncio.wait_for(pub.find(), 5))
+    assert len(tries) == 4 and calls == [[]]  # found on the 4th look, one empty call
+    assert isinstance(pub._keeper, Keeper)

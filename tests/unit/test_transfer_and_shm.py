@@ -127,6 +127,9 @@ class SlowRegisterBackend:
     def __init__(self) -> None:
         self.registered: list[int] = []
         self.put_ptrs: list[int] = []
+        """Of the transfers' puts (not the warm-up's)."""
+        self.put_keys: list[str] = []
+        self.removed: list[str] = []
 
     async def register_region(self, ptr: int, size: int) -> None:
         await asyncio.sleep(0.01)
@@ -138,7 +141,14 @@ class SlowRegisterBackend:
     async def put(self, keys, ptrs, sizes, *, overwrite=False):  # type: ignore[no-untyped-def]
         from kvray.backends.base import KeyStatus
 
-        self.put_ptrs += [p[0] for p in ptrs]
+        self.put_ptrs += [p[0] for p, k in zip(ptrs, keys) if not k.startswith("kvray-warmup")]
+        self.put_keys += list(keys)
+        return [KeyStatus.OK] * len(keys)
+
+    async def remove(self, keys, *, force=False):  # type: ignore[no-untyped-def]
+        from kvray.backends.base import KeyStatus
+
+        self.removed += list(keys)
         return [KeyStatus.OK] * len(keys)
 
 
@@ -164,6 +174,22 @@ def test_concurrent_first_transfers_map_a_region_once(region):
     assert backend.registered == []
 
 
+def test_a_registered_region_warms_the_backend_up_with_one_put_it_removes(region):
+    """The backend's first transfer sets up its connections (Mooncake: up to 400 ms on a
+    busy host): one scratch put from the new region, removed at once, pays for it at
+    registration instead of an engine's first save. It is not counted as a store."""
+    from kvray.rank_store import RankStore
+
+    backend = SlowRegisterBackend()
+    store = RankStore(backend, 3)  # type: ignore[arg-type]
+    asyncio.run(store.ensure_region(region.spec))
+    (key,) = backend.put_keys
+    assert key.startswith("kvray-warmup-3-") and backend.removed == [key]
+    assert store.stats.put_keys == 0 and store.stats.removed == 0
+    asyncio.run(store.ensure_region(region.spec))  # mapped already: no second warm-up
+    assert backend.put_keys == [key]
+
+
 def test_a_region_is_unmapped_only_after_its_transfers_ended(region):
     """A release (the region's engine died: the sweep) while a transfer still copies from
     the region waits for it: the backend's thread would fault on unmapped pages. Seen:
@@ -179,6 +205,8 @@ def test_a_region_is_unmapped_only_after_its_transfers_ended(region):
         copying, finish = asyncio.Event(), asyncio.Event()
 
         async def slow_put(keys, ptrs, sizes, *, overwrite=False):  # type: ignore[no-untyped-def]
+            if keys[0].startswith("kvray-warmup"):  # the region's registration
+                return [KeyStatus.OK]
             copying.set()
             await finish.wait()
             return [KeyStatus.OK] * len(keys)

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +55,44 @@ def write_json(path: Path | None, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+Step = Callable[[], object]
+
+
+def round_trips(
+    paths: dict[str, tuple[Step, Step | None, Step, Step, Callable[[], bool]]],
+    reps: int,
+    ops: tuple[str, str],
+) -> dict[str, dict[str, list[float]]]:
+    """Each path's ``(clear, put, between, get, check)``: one warm-up rep, then ``reps``
+    recorded, every path in turn (order rotated per rep). Returns the seconds of each
+    ``ops`` (put, get) per path; a path without a put records gets only. A round trip that
+    is not byte-exact (``check()`` false) fails the run."""
+    names = list(paths)
+    times: dict[str, dict[str, list[float]]] = {n: {op: [] for op in ops} for n in names}
+    for rep in range(reps + 1):
+        k = rep % len(names)
+        line = []
+        for name in names[k:] + names[:k]:
+            clear, put, between, get, check = paths[name]
+            clear()
+            tp = timed(put) if put is not None else None
+            between()
+            tg = timed(get)
+            if not check():
+                raise RuntimeError(f"{name}: round trip is not byte-exact (rep {rep})")
+            if rep:
+                if tp is not None:
+                    times[name][ops[0]].append(tp)
+                times[name][ops[1]].append(tg)
+            line.append(f"{name} {'-' if tp is None else f'{tp * 1e3:.0f}'}/{tg * 1e3:.0f}")
+        label = "warm-up" if rep == 0 else f"rep {rep}/{reps}"
+        log(f"   {label} ({'/'.join(ops)} ms): " + ", ".join(line))
+    return times

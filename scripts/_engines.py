@@ -7,11 +7,15 @@ benchmarks' turn-taking; the rest are the benchmarks' pools, schedule and baseli
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +59,89 @@ class Engine(LiveEngine):
         return answer
 
 
+def workload_args(parser: argparse.ArgumentParser, lengths: str, rates: str) -> None:
+    """The engine benchmarks' arguments: the workload (input lengths, hit rates, reps), the
+    model's folder and ``--json``."""
+    parser.add_argument("--lengths", default=lengths)
+    parser.add_argument("--rates", default=rates)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
+    )
+    parser.add_argument("--json", type=Path, help="write results here")
+
+
+def workload(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, misses: bool = False
+) -> tuple[list[int], list[float]]:
+    """``--lengths`` and ``--rates``, checked with ``--reps``: hit rates in (0, 1), or
+    with ``misses`` in [0, 1)."""
+    if args.reps < 3:
+        parser.error("--reps must be >= 3")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    if not all(0 <= r < 1 if misses else 0 < r < 1 for r in rates):
+        parser.error(f"--rates must be hit rates in {'[0' if misses else '(0'}, 1)")
+    return lengths, rates
+
+
+def chosen(parser: argparse.ArgumentParser, names: list[str], known: tuple[str, ...]) -> None:
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(known)}")
+
+
+def bench_model(model_dir: str) -> str:
+    """The benchmarks' prefill-bound model, built once in ``model_dir``."""
+    from kvray.tiny_model import build_prefill_bound_llama
+
+    log(f"== building the model in {model_dir}")
+    return str(build_prefill_bound_llama(model_dir))
+
+
+@contextlib.contextmanager
+def live_engines(tmp: Path, stops: list[Callable[[], Any]]) -> Iterator[dict[str, Engine]]:
+    """The run's engines by name (added with :func:`start_engine`); at the end they are
+    closed, then everything in ``stops`` (pools, masters) is stopped, and Ray shut down.
+    ``tmp`` (the engines' logs) is removed only when the run succeeded."""
+    import ray
+
+    engines: dict[str, Engine] = {}
+    try:
+        yield engines
+    finally:
+        for e in engines.values():
+            e.close()
+        for stop in stops:
+            stop()
+        ray.shutdown()
+    shutil.rmtree(tmp)
+
+
+def start_engine(
+    engines: dict[str, Engine], name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path
+) -> None:
+    """One at a time: a 2-core machine starts engines slowly."""
+    log(f"== starting engine {name}")
+    engines[name] = Engine(name, spec, env, tmp)
+    engines[name].start()
+
+
 def start_bench_pool(
     segment: str = "4GB",
     local_buffer: str = "256MB",
     master: dict[str, Any] | None = None,
-    *,
-    lookup_index: bool | None = None,
+    **settings: Any,
 ) -> tuple[Any, str]:
-    """A local loopback Ray and a kvray pool ``bench`` (embedded master, one client per
-    node, the default config otherwise: block checksums on, lookups from the node's block
-    index; ``lookup_index=False``: lookups as calls to the Lookup actor); returns the pool
-    and the Ray address engines join."""
+    """A local loopback Ray and a kvray pool ``bench`` (:func:`bench_pool`); returns the
+    pool and the Ray address engines join."""
     import ray
 
     from kvray.ray_env import ray_init
 
     print("== starting Ray (loopback) and a kvray pool with its embedded master", file=sys.stderr)
     ray_init("local", num_cpus=4)
-    pool = bench_pool("bench", segment, local_buffer, master, lookup_index=lookup_index)
+    pool = bench_pool("bench", segment, local_buffer, master, **settings)
     return pool, ray.get_runtime_context().gcs_address
 
 
@@ -81,22 +150,19 @@ def bench_pool(
     segment: str,
     local_buffer: str,
     master: dict[str, Any] | None = None,
-    *,
-    checksum: bool = True,
-    lookup_index: bool | None = None,
+    **settings: Any,
 ) -> Any:
     """A kvray pool ``name`` in the connected Ray cluster (embedded master, one client per
-    node); ``checksum=False``: without block checksums (what they cost is measured
-    against it); ``lookup_index``: lookups answered from the node's block index (None:
-    the default, on) or, False, by calls to the Lookup actor."""
+    node), with the default config but ``settings``: ``checksum=False`` (what block
+    checksums cost is measured against it), ``lookup_index=False`` (lookups as calls to
+    the Lookup actor, not answered from the node's block index), ..."""
     from kvray import Pool, PoolConfig
 
     spec: dict[str, Any] = {
         "name": name,
         "world_size": 1,
         "detached": False,
-        "checksum": checksum,
-        **({} if lookup_index is None else {"lookup_index": lookup_index}),
+        **settings,
         "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
     }
     if master is not None:

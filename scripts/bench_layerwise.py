@@ -25,9 +25,6 @@ request that did not load its prefix from the pool, or any failed load, is an er
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,14 +33,20 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import log, parse  # noqa: E402
+from _common import log, parse, write_json  # noqa: E402
 from _engines import (  # noqa: E402
     Engine,
+    bench_model,
+    chosen,
     engine_env,
     interleaved,
     kvray_transfer_config,
+    live_engines,
     run_meta,
     start_bench_pool,
+    start_engine,
+    workload,
+    workload_args,
 )
 
 BLOCK = 128
@@ -69,46 +72,24 @@ def engine_spec(name: str, model: str, max_len: int, groups: int) -> dict[str, A
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,4096")
-    parser.add_argument("--rates", default="0.5,0.9")
-    parser.add_argument("--reps", type=int, default=5)
+    workload_args(parser, "1024,4096", "0.5,0.9")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--groups", type=int, default=4, help="layerwise_groups (model: 4 layers)")
-    parser.add_argument(
-        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
-    )
-    parser.add_argument("--json", type=Path, help="write results here")
     args = parse(parser, SMOKE)
-    if args.reps < 3:
-        parser.error("--reps must be >= 3")
     configs = args.configs.split(",")
-    unknown = set(configs) - set(CONFIGS)
-    if unknown:
-        parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
-    if not all(0 < r < 1 for r in rates):
-        parser.error("--rates must be hit rates in (0, 1): layer-wise only matters on hits")
+    chosen(parser, configs, CONFIGS)
+    lengths, rates = workload(parser, args)  # layer-wise only matters on hits
 
-    import ray
-
-    from kvray.tiny_model import build_prefill_bound_llama
-
-    log(f"== building the model in {args.model_dir}")
-    model = str(build_prefill_bound_llama(args.model_dir))
+    model = bench_model(args.model_dir)
     pool, ray_address = start_bench_pool()
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
     env = engine_env(tmp, ray_address)
-    engines: dict[str, Engine] = {}
     reps: dict[tuple[str, int, float], list[float]] = {}
     measured = {name: 0 for name in configs}
-    try:
-        for name in configs:  # one at a time: a 2-core machine starts engines slowly
-            log(f"== starting engine {name}")
-            engines[name] = Engine(
-                name, engine_spec(name, model, max(lengths) + 16, args.groups), env, tmp
-            )
-            engines[name].start()
+    with live_engines(tmp, [pool.shutdown]) as engines:
+        for name in configs:
+            spec = engine_spec(name, model, max(lengths) + 16, args.groups)
+            start_engine(engines, name, spec, env, tmp)
         total = len(lengths) * len(rates) * args.reps
         schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
@@ -119,12 +100,6 @@ def main() -> int:
             last = "  ".join(f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs)
             log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
         checks = {name: check_loads(engines[name], measured[name]) for name in configs}
-    finally:
-        for e in engines.values():
-            e.close()
-        pool.shutdown()
-        ray.shutdown()
-    shutil.rmtree(tmp)  # engine logs: kept when the run failed
 
     rows = []
     for length in lengths:
@@ -135,17 +110,14 @@ def main() -> int:
                 row[name] = {"median_s": statistics.median(times), "reps_s": times}
             rows.append(row)
     print_table(rows, configs)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = run_meta(
-            reps=args.reps,
-            layerwise_groups=args.groups,
-            order="interleaved: per rep every config in turn, order rotated per rep; "
-            "engines not in turn paused (SIGSTOP)",
-            load_checks=checks,
-        )
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {args.json}")
+    meta = run_meta(
+        reps=args.reps,
+        layerwise_groups=args.groups,
+        order="interleaved: per rep every config in turn, order rotated per rep; "
+        "engines not in turn paused (SIGSTOP)",
+        load_checks=checks,
+    )
+    write_json(args.json, {"meta": meta, "rows": rows})
     return 0
 
 

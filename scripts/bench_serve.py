@@ -187,9 +187,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     master_settings = MooncakeMasterConfig()
     env = engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)
-    pool = None
-    nock_pool = None
-    peer_master = None
+    stops: list[Any] = []
+    """Stopped last first."""
     servers: dict[str, Server] = {}
     runs: list[dict[str, Any]] = []
     try:
@@ -197,14 +196,18 @@ def main() -> int:
             pool, env["RAY_ADDRESS"] = start_bench_pool(
                 local_buffer="512MB", master=master_settings.model_dump()
             )
+            stops += [ray.shutdown, pool.shutdown]
         if "nock" in modes:
-            nock_pool = bench_pool(
-                "bench-nock", "4GB", "512MB", master_settings.model_dump(), checksum=False
+            stops.append(
+                bench_pool(
+                    "bench-nock", "4GB", "512MB", master_settings.model_dump(), checksum=False
+                ).shutdown
             )
         if "peer" in modes:
             peer_master, peer_env = start_peer_master(
                 tmp, master_settings.model_dump(), segment=4 << 30, local_buffer=512 << 20
             )
+            stops.append(peer_master.stop)
         for mode in modes:  # one at a time: engines start slowly on small machines
             log(f"== starting the {mode} server")
             menv = dict(env)
@@ -245,13 +248,8 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop()
-        if peer_master is not None:
-            peer_master.stop()
-        if nock_pool is not None:
-            nock_pool.shutdown()
-        if pool is not None:
-            pool.shutdown()
-            ray.shutdown()
+        for stop in reversed(stops):
+            stop()
     shutil.rmtree(tmp)  # server logs: kept when the run failed
 
     table = summarize(runs, modes)

@@ -37,7 +37,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,17 +47,11 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, parse  # noqa: E402
+from _common import log, parse, round_trips  # noqa: E402
 from _engines import run_meta  # noqa: E402
 
 SMOKE = ["--blocks", "16", "--block-kib", "64"]
 """``--smoke``: 1 MiB per path instead of 256 MiB, the same paths, reps and JSON keys."""
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def drop_cache(root: Path) -> None:
@@ -237,46 +230,23 @@ def main() -> int:
         pool, out, keys = start_pipeline(payload, work / "pipeline", n)
         rows = list(out)
 
-        # name -> (directory, clear, write or None, read, destination)
-        paths: dict[str, tuple[Any, ...]] = {}
+        def between(root: Path, into: np.ndarray) -> Callable[[], None]:
+            """Before a read: the files' pages out of the cache, the destination zeroed."""
+            return lambda: (drop_cache(root), into.fill(0))
+
+        def same(into: np.ndarray) -> Callable[[], bool]:
+            return lambda: np.array_equal(into, payload)
+
+        # name -> (clear, write or None, between, read, the destination holds the payload)
+        paths: dict[str, Any] = {}
         for name, r in raws.items():
-            paths[name] = (
-                r.root,
-                r.clear,
-                lambda r=r: r.write(payload),
-                lambda r=r: r.read(dst),
-                dst,
-            )
+            w, rd = (lambda r=r: r.write(payload)), (lambda r=r: r.read(dst))
+            paths[name] = (r.clear, w, between(r.root, dst), rd, same(dst))
         for name, t in tiers.items():
-            paths[name] = (t.tier.root, t.clear, t.write, t.read, dst)
-        paths["kvray pipeline load"] = (
-            work / "pipeline",
-            lambda: None,
-            None,
-            lambda: pool.get(keys, out=rows),
-            out,
-        )
-        names = list(paths)
-        times: dict[str, dict[str, list[float]]] = {x: {"write": [], "read": []} for x in names}
-        for rep in range(args.reps + 1):
-            k = rep % len(names)
-            line = []
-            for name in names[k:] + names[:k]:
-                root, clear, write, read, into = paths[name]
-                clear()
-                tw = timed(write) if write is not None else None
-                drop_cache(root)
-                into.fill(0)
-                tr = timed(read)
-                if not np.array_equal(into, payload):
-                    raise RuntimeError(f"{name}: round trip is not byte-exact (rep {rep})")
-                if rep:
-                    if tw is not None:
-                        times[name]["write"].append(tw)
-                    times[name]["read"].append(tr)
-                line.append(f"{name} {'-' if tw is None else f'{tw * 1e3:.0f}'}/{tr * 1e3:.0f}")
-            label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
-            log(f"   {label} (write/read ms): " + ", ".join(line))
+            paths[name] = (t.clear, t.write, between(t.tier.root, dst), t.read, same(dst))
+        load = (between(work / "pipeline", out), lambda: pool.get(keys, out=rows))
+        paths["kvray pipeline load"] = (lambda: None, None, *load, same(out))
+        times = round_trips(paths, args.reps, ("write", "read"))
         ssd_gets = pool.stats().total.ssd_get_keys
         if ssd_gets < blocks * (args.reps + 1):
             raise RuntimeError(
@@ -303,14 +273,14 @@ def main() -> int:
         if op not in gbps[name]:
             return ""
         durable = "fsync" in name
-        base = [x for x in names if x.startswith("raw") and ("fsync" in x) == durable]
+        base = [x for x in times if x.startswith("raw") and ("fsync" in x) == durable]
         if op == "read":
-            base = [x for x in names if x.startswith("raw")]
+            base = [x for x in times if x.startswith("raw")]
         return f"{gbps[name][op] / max(gbps[x][op] for x in base):.2f}"
 
     print()
     print(f"{'path':<22}{'write GB/s':>13}{'read GB/s':>13}{'w/raw':>7}{'r/raw':>7}")
-    for x in names:
+    for x in times:
         cells = []
         for op in ("write", "read"):
             reps = times[x][op]

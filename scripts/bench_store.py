@@ -70,18 +70,12 @@ from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, parse  # noqa: E402
+from _common import log, parse, round_trips, timed  # noqa: E402
 from _engines import run_meta  # noqa: E402
 from _raw_clients import RawMooncake, RawYuanrong, raw_exists_ms  # noqa: E402
 
 SMOKE = ["--blocks", "32", "--block-kib", "64", "--lookup-reps", "5"]
 """``--smoke``: 2 MiB per path instead of 500 MiB, the same paths, reps and JSON keys."""
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def index_lookup_ms(
@@ -492,25 +486,7 @@ def main() -> int:
                 lambda: actor_call("get", ck_out_region, ck_actor), same(ck_out),
             ),
         }  # fmt: skip
-        names = list(paths)
-        times: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
-        for rep in range(args.reps + 1):
-            k = rep % len(names)
-            line = []
-            for name in names[k:] + names[:k]:
-                clear, put, zero, get, check = paths[name]
-                clear()
-                tp = timed(put)
-                zero()
-                tg = timed(get)
-                if not check():
-                    raise RuntimeError(f"{name}: round trip is not byte-exact (rep {rep})")
-                if rep:
-                    times[name]["put"].append(tp)
-                    times[name]["get"].append(tg)
-                line.append(f"{name} {tp * 1e3:.0f}/{tg * 1e3:.0f}")
-            label = "warm-up" if rep == 0 else f"rep {rep}/{args.reps}"
-            log(f"   {label} (put/get ms): " + ", ".join(line))
+        times = round_trips(paths, args.reps, ("put", "get"))
         raw_clear()
 
         log(f"== prefix lookup of {blocks} blocks through the Lookup actor")
@@ -552,12 +528,12 @@ def main() -> int:
     }
 
     def strongest_raw(name: str, op: str) -> float:
-        shape = [n for n in names if n.startswith("raw") and ("multi" in n) == ("multi" in name)]
+        shape = [n for n in times if n.startswith("raw") and ("multi" in n) == ("multi" in name)]
         return max(gbps[n][op] for n in shape)
 
     print()
     print(f"{'path':<20}{'put GB/s':>12}{'get GB/s':>12}{'put/raw':>9}{'get/raw':>9}")
-    for n in names:
+    for n in times:
         cells = []
         for op in ("put", "get"):
             t = times[n][op]

@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -66,14 +64,19 @@ sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
-    Engine,
+    bench_model,
     bench_pool,
+    chosen,
     engine_env,
     interleaved,
     kvray_transfer_config,
+    live_engines,
     run_meta,
     start_bench_pool,
+    start_engine,
     start_peer_master,
+    workload,
+    workload_args,
 )
 from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
@@ -125,9 +128,7 @@ def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,2048,4096")
-    parser.add_argument("--rates", default="0,0.5,0.9")
-    parser.add_argument("--reps", type=int, default=5)
+    workload_args(parser, "1024,2048,4096", "0,0.5,0.9")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"from {','.join(CONFIGS)}")
     parser.add_argument(
         "--placement",
@@ -135,74 +136,50 @@ def main() -> int:
         default="shared",
         help="staged: also run KVRayConnector with kv_placement staged (config 'staged')",
     )
-    parser.add_argument(
-        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
-    )
     parser.add_argument("--kv-cache-gb", type=int, default=2, help="each engine's KV cache")
-    parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
     args = parse(parser, SMOKE)
-    if args.reps < 3:
-        parser.error("--reps must be >= 3")
     configs = args.configs.split(",")
     if args.placement == "staged" and "staged" not in configs:
         configs.append("staged")
-    unknown = set(configs) - set(CONFIGS)
-    if unknown:
-        parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    chosen(parser, configs, CONFIGS)
     if "full" not in configs:
         parser.error("--configs must include full (the baseline of every saving)")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
-    if not all(0 <= r < 1 for r in rates):
-        parser.error("--rates must be hit rates in [0, 1)")
-
-    import ray
+    lengths, rates = workload(parser, args, misses=True)
 
     from kvray.config import MooncakeMasterConfig
-    from kvray.tiny_model import build_prefill_bound_llama
 
-    log(f"== building the model in {args.model_dir}")
-    model = str(build_prefill_bound_llama(args.model_dir))
+    model = bench_model(args.model_dir)
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
     # Every pool and the peer's master hold SEGMENT: a default run stores ~2.6 GB of
     # blocks (the seeds' and probes' of every row), past which the master evicts and
     # refuses puts, and a probe's seed can be gone before the probe (the run is void).
     pool, ray_address = start_bench_pool(segment=SEGMENT, master=master)
-    # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock)
-    nock_pool = (
-        bench_pool("bench-nock", SEGMENT, "256MB", master, checksum=False)
-        if ("nock" in configs)
-        else None
-    )
-    # index: kvray as "kvray", on a pool of its own with lookup_index set (now the default)
-    index_pool = (
-        bench_pool("bench-ix", SEGMENT, "256MB", master, lookup_index=True)
-        if ("index" in configs)
-        else None
-    )
-    # actor: kvray as "kvray", on a pool whose lookups are calls to the Lookup actor
-    actor_pool = (
-        bench_pool("bench-actor", SEGMENT, "256MB", master, lookup_index=False)
-        if ("actor" in configs)
-        else None
-    )
+    stops = [pool.shutdown]
+    # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock);
+    # index: on a pool of its own with lookup_index set (now the default); actor: on a
+    # pool whose lookups are calls to the Lookup actor.
+    for name, pool_name, setting in (
+        ("nock", "bench-nock", {"checksum": False}),
+        ("index", "bench-ix", {"lookup_index": True}),
+        ("actor", "bench-actor", {"lookup_index": False}),
+    ):
+        if name in configs:
+            stops.append(bench_pool(pool_name, SEGMENT, "256MB", master, **setting).shutdown)
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
-    peer_master = None
-    engines: dict[str, Engine] = {}
     reps: dict[tuple[str, int, float], list[float]] = {}
     cached: dict[tuple[str, int, float], list[int]] = {}
-    try:
-        for name in configs:  # one at a time: a 2-core machine starts engines slowly
-            log(f"== starting engine {name}")
+    with live_engines(tmp, stops) as engines:
+        for name in configs:
             e_env = dict(env)
             if name == "peer":
                 peer_master, peer_env = start_peer_master(
                     tmp, master, segment=4 << 30, local_buffer=256 << 20
                 )
+                stops.insert(0, peer_master.stop)
                 e_env.update(peer_env)
-            engines[name] = Engine(name, engine_spec(name, model, max(lengths) + 16), e_env, tmp)
-            engines[name].start()
+            spec = engine_spec(name, model, max(lengths) + 16)
+            start_engine(engines, name, spec, e_env, tmp)
         total = len(lengths) * len(rates) * args.reps
         schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
@@ -214,20 +191,6 @@ def main() -> int:
                 cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
             last = "  ".join(f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs)
             log(f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: {last} ms")
-    finally:
-        for e in engines.values():
-            e.close()
-        if peer_master is not None:
-            peer_master.stop()
-        if nock_pool is not None:
-            nock_pool.shutdown()
-        if index_pool is not None:
-            index_pool.shutdown()
-        if actor_pool is not None:
-            actor_pool.shutdown()
-        pool.shutdown()
-        ray.shutdown()
-    shutil.rmtree(tmp)  # engine logs: kept when the run failed
 
     rows = []
     for length in lengths:

@@ -31,9 +31,6 @@ medians over reps, next to the local prefix cache's TTFT and kvray's excess over
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -42,13 +39,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import log, parse  # noqa: E402
+from _common import log, parse, write_json  # noqa: E402
 from _engines import (  # noqa: E402
-    Engine,
+    bench_model,
     engine_env,
+    interleaved,
     kvray_transfer_config,
+    live_engines,
     run_meta,
     start_bench_pool,
+    start_engine,
+    workload,
+    workload_args,
 )
 
 BLOCK = 128
@@ -88,9 +90,7 @@ def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,4096")
-    parser.add_argument("--rates", default="0.9")
-    parser.add_argument("--reps", type=int, default=5)
+    workload_args(parser, "1024,4096", "0.9")
     parser.add_argument("--placement", choices=("shared", "staged"), default="shared")
     parser.add_argument(
         "--lookup-index",
@@ -103,28 +103,13 @@ def main() -> int:
         action="store_true",
         help="lookups as calls to the node's Lookup actor (lookup_index: false)",
     )
-    parser.add_argument(
-        "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
-    )
-    parser.add_argument("--json", type=Path, help="write results here")
     args = parse(parser, SMOKE)
-    if args.reps < 3:
-        parser.error("--reps must be >= 3")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
-    if not all(0 < r < 1 for r in rates):
-        parser.error("--rates must be hit rates in (0, 1)")
-
-    import numpy as np
-    import ray
-
-    from kvray.tiny_model import build_prefill_bound_llama
-
-    log(f"== building the model in {args.model_dir}")
-    model = str(build_prefill_bound_llama(args.model_dir))
+    lengths, rates = workload(parser, args)
     if args.lookup_index and args.actor_lookups:
         parser.error("--lookup-index and --actor-lookups exclude each other")
-    pool, ray_address = start_bench_pool(lookup_index=False if args.actor_lookups else None)
+
+    model = bench_model(args.model_dir)
+    pool, ray_address = start_bench_pool(**({"lookup_index": False} if args.actor_lookups else {}))
     tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
     env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}
@@ -143,46 +128,28 @@ def main() -> int:
             ),
         },
     }
-    engines: dict[str, Engine] = {}
     samples: dict[tuple[int, float], dict[str, list[Any]]] = {}
-    try:
+    with live_engines(tmp, [pool.shutdown]) as engines:
         for name, spec in specs.items():
-            log(f"== starting engine {name}")
-            engines[name] = Engine(name, spec, env, tmp)
-            engines[name].start()
-        total, done = len(lengths) * len(rates) * args.reps, 0
-        for length in lengths:
-            for rate in rates:
-                prefix_len = int(rate * length) // BLOCK * BLOCK
-                got = samples.setdefault((length, rate), {"local": [], "kvray": []})
-                for rep in range(args.reps):
-                    rng = np.random.default_rng([length, int(rate * 100), rep, 7])
-                    prefix = rng.integers(3, 1000, prefix_len).tolist()
-                    seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
-                    order = ["local", "kvray"] if rep % 2 == 0 else ["kvray", "local"]
-                    for name in order:
-                        ans = engines[name].turn(seed, probe)
-                        ttft_ms = ans["ttft_s"] * 1e3
-                        if name == "local":
-                            got["local"].append(ttft_ms)
-                            continue
-                        (tl,) = ans["timelines"]
-                        if tl["loaded"] == 0 or tl["first_token_ms"] is None:
-                            raise RuntimeError(f"the timed request did not load a hit: {tl}")
-                        got["kvray"].append({"ttft_ms": ttft_ms, "timeline": tl})
-                    done += 1
-                    log(
-                        f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: "
-                        f"local {got['local'][-1]:.1f} ms, kvray {got['kvray'][-1]['ttft_ms']:.1f}"
-                        " ms"
-                    )
-    finally:
-        for e in engines.values():
-            e.close()
-        pool.shutdown()
-        ray.shutdown()
-    shutil.rmtree(tmp)  # engine logs: kept when the run failed
+            start_engine(engines, name, spec, env, tmp)
+        total = len(lengths) * len(rates) * args.reps
+        schedule = interleaved(["local", "kvray"], lengths, rates, args.reps, BLOCK)
+        for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
+            got = samples.setdefault((length, rate), {"local": [], "kvray": []})
+            for name in order:
+                ans = engines[name].turn(seed, probe)
+                ttft_ms = ans["ttft_s"] * 1e3
+                if name == "local":
+                    got["local"].append(ttft_ms)
+                    continue
+                (tl,) = ans["timelines"]
+                if tl["loaded"] == 0 or tl["first_token_ms"] is None:
+                    raise RuntimeError(f"the timed request did not load a hit: {tl}")
+                got["kvray"].append({"ttft_ms": ttft_ms, "timeline": tl})
+            log(
+                f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: "
+                f"local {got['local'][-1]:.1f} ms, kvray {got['kvray'][-1]['ttft_ms']:.1f} ms"
+            )
 
     rows = []
     for (length, rate), got in samples.items():
@@ -217,16 +184,13 @@ def main() -> int:
         "median); excess = kvray - local; waits = scheduler steps the request sat out "
         "for its lookup"
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = run_meta(
-            reps=args.reps,
-            placement=args.placement,
-            lookup_index=not args.actor_lookups,
-            order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
-        )
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {args.json}")
+    meta = run_meta(
+        reps=args.reps,
+        placement=args.placement,
+        lookup_index=not args.actor_lookups,
+        order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
+    )
+    write_json(args.json, {"meta": meta, "rows": rows})
     return 0
 
 

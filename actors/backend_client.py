@@ -79,7 +79,6 @@ class BackendClientActor:
             ]
             if self._index is not None:
                 self._background.append(loop.create_task(self._index.run()))
-                self._background.append(loop.create_task(self._index.find()))
                 self._background.append(loop.create_task(self._sweep_evictions()))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
@@ -145,6 +144,11 @@ class BackendClientActor:
                 name, {"get": self.get, "put": self.put, "ping": self._ping}
             )
         return await self._channel.start()
+
+    async def connect_keeper(self) -> None:
+        """Connect to this node's block-index keeper before the first store needs it."""
+        if self._index is not None:
+            await self._index.connect()
 
     async def _ping(self) -> None:
         """A round trip with nothing to do (scripts/bench_channel.py)."""

@@ -4,6 +4,7 @@ instance at once), through a client that stores nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from kvray.keys import KeySpace, probe_hash
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService, Place, Placement
 from kvray.metrics import export_forever
-from kvray.naming import ssd_name
+from kvray.naming import client_name, ssd_name
 from kvray.ray_env import normal_priority
 from kvray.remote import ManagerHandle, ManagerLink, Remake, StoreHandle
 from kvray.stats import RankStats
@@ -109,8 +110,19 @@ class LookupActor:
             self._keeper.apply_local(changes)
 
     async def index_spec(self) -> IndexSpec | None:
+        """Asked by a scheduler as it attaches: the node's clients connect to this keeper
+        first, so their first store's read-your-writes is not paid as a lookup waits for
+        it (BackendClient.connect_keeper)."""
         self._ensure_follower()
-        return self._keeper.index.spec if self._keeper is not None else None
+        if self._keeper is None:
+            return None
+        cfg = self._config
+        names = [client_name(cfg.name, self._node_id, s) for s in range(cfg.world_size)]
+        found = await asyncio.to_thread(lambda: [remote.find(n, cfg.namespace) for n in names])
+        calls = [StoreHandle(a, n).connect_keeper() for a, n in zip(found, names, strict=True) if a]
+        with contextlib.suppress(KVRayError):  # a client gone meanwhile connects later
+            await asyncio.gather(*(c.aresult(self._config.call_timeout_s) for c in calls))
+        return self._keeper.index.spec
 
     async def _ssd_exists(self, place: Place, keys: list[str]) -> list[bool]:
         """The SSD tier of slot ``place.slot`` on node ``place.node_id`` (SSD blocks live

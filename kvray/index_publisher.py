@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 KEEPER_RETRY_S = 5.0
 """How long a publisher waits before it looks for its node's index keeper again."""
-KEEPER_FIRST_S = 0.2
-"""How often a new publisher looks for its node's keeper (:meth:`IndexPublisher.find`)
-during its first :data:`KEEPER_FIRST_FOR_S`: a scheduler that attaches next to it (an
-embedded pool's first engine) makes the keeper seconds later, before the first store."""
-KEEPER_FIRST_FOR_S = 120.0
 SWEEP_S = 1.0
 """How often a BackendClient may reconcile its stored keys with the backend."""
 SWEEP_MAX = 4096
@@ -144,25 +139,19 @@ class IndexPublisher:
                 if self.sweep is not None and evicted is not None:
                     self.sweep.seen_evicted = evicted
 
-    async def find(self) -> None:
-        """Background: find this node's keeper as soon as it exists, and make the first
-        call to it (Ray's connection to it), so that neither is paid by the first store,
-        a scheduler's read-your-writes (measured: up to 100 ms on a busy 2-core host, and a
-        store whose keeper was not found yet reached the schedulers only through the hub,
-        after its save had ended)."""
-        started = time.monotonic()
-        while self._keeper is None:
-            self._keeper_retry_at = 0.0
-            keeper = await self._find_keeper()
-            if keeper is not None:
-                try:
-                    await keeper.index_apply([]).aresult(self._config.call_timeout_s)
-                except KVRayError:
-                    self._keeper = None
-                else:
-                    return
-            first = time.monotonic() - started < KEEPER_FIRST_FOR_S
-            await asyncio.sleep(KEEPER_FIRST_S if first else KEEPER_RETRY_S)
+    async def connect(self) -> None:
+        """Find this node's keeper now and make the first call to it (Ray's connection to
+        it), so that the first store pays for neither before it returns: a scheduler's
+        read-your-writes waits for it (measured: up to 550 ms on a busy 2-core host, more
+        than a lookup waits for a save in flight). Asked by the node's Lookup actor as a
+        scheduler attaches."""
+        self._keeper_retry_at = 0.0
+        keeper = await self._find_keeper()
+        if keeper is not None:
+            try:
+                await keeper.index_apply([]).aresult(self._config.call_timeout_s)
+            except KVRayError:
+                self._keeper, self._keeper_retry_at = None, time.monotonic() + KEEPER_RETRY_S
 
     async def publish(self, changes: list[IndexChange]) -> None:
         """Applied by this node's keeper before this returns (what a scheduler on this node

@@ -85,26 +85,21 @@ class StatsExporter:
             "slot": "" if slot is None else str(slot),
             "role": role,
         }
-        self._counters = {
-            f: metrics.Counter(name, description=doc, tag_keys=TAG_KEYS)
-            for f, (name, doc) in COUNTERS.items()
-        }
-        self._gauges = {
-            f: metrics.Gauge(name, description=doc, tag_keys=TAG_KEYS)
-            for f, (name, doc) in GAUGES.items()
-        }
+
+        def made(kind: Any, specs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+            return {
+                k: kind(name, description=doc, tag_keys=TAG_KEYS)
+                for k, (name, doc) in specs.items()
+            }
+
+        self._counters = made(metrics.Counter, COUNTERS)
+        self._gauges = made(metrics.Gauge, GAUGES)
         self._missed = metrics.Counter(
             MISSED[0], description=MISSED[1], tag_keys=(*TAG_KEYS, "reason")
         )
         self._segment = metrics.Gauge(SEGMENT[0], description=SEGMENT[1], tag_keys=TAG_KEYS)
-        self._server_gauges = {
-            k: metrics.Gauge(name, description=doc, tag_keys=TAG_KEYS)
-            for k, (name, doc) in SERVER_GAUGES.items()
-        }
-        self._server_counters = {
-            k: metrics.Counter(name, description=doc, tag_keys=TAG_KEYS)
-            for k, (name, doc) in SERVER_COUNTERS.items()
-        }
+        self._server_gauges = made(metrics.Gauge, SERVER_GAUGES)
+        self._server_counters = made(metrics.Counter, SERVER_COUNTERS)
         self._seen: dict[str, float] = {}
         """Each counter's value at the last export (counters advance by the difference)."""
 

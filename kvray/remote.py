@@ -341,6 +341,10 @@ class StoreHandle(Handle):
     def health(self) -> Call[bool]:
         return self._call("health")
 
+    def connect_keeper(self) -> Call[None]:
+        """Connect to the node's block-index keeper (before the first store needs it)."""
+        return self._call("connect_keeper")
+
 
 class LookupHandle(Handle):
     """A node's Lookup actor (one per node and pool)."""

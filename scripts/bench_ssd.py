@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -47,7 +46,7 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, parse, round_trips  # noqa: E402
+from _common import log, parse, round_trips, write_json  # noqa: E402
 from _engines import run_meta  # noqa: E402
 
 SMOKE = ["--blocks", "16", "--block-kib", "64"]
@@ -295,20 +294,17 @@ def main() -> int:
         f"\nmedians of {args.reps}, ± half the range of the reps; vs raw = against the "
         "strongest raw path (writes: of the same durability, fsync or not)"
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        results = {
-            "meta": run_meta(
-                order="per rep every path in turn (clear, write, drop cache, read, verify), "
-                "order rotated",
-                reps=args.reps,
-            ),
-            "gbps": gbps,
-            "reps_s": times,
-            "params": {"blocks": blocks, "block_bytes": block, "threads": n, "dir": args.dir},
-        }
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+    results = {
+        "meta": run_meta(
+            order="per rep every path in turn (clear, write, drop cache, read, verify), "
+            "order rotated",
+            reps=args.reps,
+        ),
+        "gbps": gbps,
+        "reps_s": times,
+        "params": {"blocks": blocks, "block_bytes": block, "threads": n, "dir": args.dir},
+    }
+    write_json(args.json, results)
     return 0
 
 

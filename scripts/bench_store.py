@@ -70,7 +70,7 @@ from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, parse, round_trips, timed  # noqa: E402
+from _common import log, parse, round_trips, timed, write_json  # noqa: E402
 from _engines import run_meta  # noqa: E402
 from _raw_clients import RawMooncake, RawYuanrong, raw_exists_ms  # noqa: E402
 
@@ -283,10 +283,7 @@ def cross_node(args: argparse.Namespace) -> int:
     for name, key in (("raw mooncake (in driver)", "raw"), ("kvray Pool.get", "kvray")):
         ms = " ".join(f"{t * 1e3:.0f}" for t in reps[key])
         print(f"{name:<26}{gbps[key]:>8.2f}{gbps[key] / gbps['raw']:>8.2f}   {ms}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 
@@ -586,26 +583,23 @@ def main() -> int:
     print(f"{'  of which Ray call floor':<29}{lk['ray_call_floor_p50']:>8.2f}")
     print(f"{'raw exists query in-process':<29}{lk['raw_exists_p50']:>8.2f}")
     print(f"{'node index (lookup_index)':<29}{lk['index_p50']:>8.2f}{lk['index_p99']:>8.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        results = {
-            "meta": run_meta(
-                order="per rep every path in turn (clear, put, get, verify), order rotated",
-                reps=args.reps,
-            ),
-            "gbps": gbps,
-            "reps_s": times,
-            "lookup_ms": lk,
-            "checksum_cost": {(s.strip() or "single"): c for s, c in cost.items()},
-            "checksum_cost_per_rep": {(s.strip() or "single"): c for s, c in per_rep.items()},
-            "params": {
-                "backend": backend, "blocks": blocks, "block_bytes": block,
-                "pieces_multi": pieces, "io_threads": threads, "reps": args.reps,
-                "lookup_reps": args.lookup_reps,
-            },
-        }  # fmt: skip
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+    results = {
+        "meta": run_meta(
+            order="per rep every path in turn (clear, put, get, verify), order rotated",
+            reps=args.reps,
+        ),
+        "gbps": gbps,
+        "reps_s": times,
+        "lookup_ms": lk,
+        "checksum_cost": {(s.strip() or "single"): c for s, c in cost.items()},
+        "checksum_cost_per_rep": {(s.strip() or "single"): c for s, c in per_rep.items()},
+        "params": {
+            "backend": backend, "blocks": blocks, "block_bytes": block,
+            "pieces_multi": pieces, "io_threads": threads, "reps": args.reps,
+            "lookup_reps": args.lookup_reps,
+        },
+    }  # fmt: skip
+    write_json(args.json, results)
     return 0
 
 

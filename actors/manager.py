@@ -10,16 +10,18 @@ import logging
 import time
 from typing import Any
 
-from kvray import metrics, remote
+from kvray import metrics, prefix_match, remote
 from kvray.actors import placement
 from kvray.actors.node_config import actor_config
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
-from kvray.errors import BackendUnavailableError, KVRayError
+from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
 from kvray.index_stream import IndexChange, IndexHub, IndexUpdate
+from kvray.keys import KeySpace
 from kvray.ledger import Entries
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
+from kvray.prefix_match import PrefixMatch
 from kvray.remote import Handle, LookupHandle
 from kvray.servers.process import ServerProcess, is_loopback
 from kvray.servers.supervisor import Supervisor
@@ -280,6 +282,18 @@ class PoolManagerActor:
             self._index.record(changes)
         evicted = self._server_metrics.get("master_evicted_key_count")
         return None if evicted is None else int(evicted)
+
+    async def prefix_match(self, space: KeySpace, block_hashes: list[bytes]) -> PrefixMatch:
+        if self._index is None:
+            raise ConfigError(
+                f"pool {self._config.name!r} keeps no block index (lookup_index: false), "
+                "which prefix_match answers from: start it with lookup_index: true (the "
+                "default)"
+            )
+        alive = await asyncio.to_thread(remote.alive_nodes)
+        ours = {node for node, _ in self._state.nodes}
+        addresses = {node: ip for node, ip in alive.items() if node in ours}
+        return prefix_match.match(self._index.index, space, block_hashes, addresses)
 
     async def index_since(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate | None:
         """A node's index keeper, long-polling for what came after ``seq``."""

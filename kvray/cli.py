@@ -172,6 +172,28 @@ async def _watch(
     return rc
 
 
+def cmd_prefix_match(args: argparse.Namespace) -> int:
+    from kvray.connector.log_lines import key_space
+    from kvray.pool import Pool
+
+    line = f"KVRayConnector scheduler: keys {args.keys}"
+    space = key_space(line, pp_size=args.pp_size, layer_groups=args.layer_groups)
+    if space is None:
+        raise ConfigError(
+            f"--keys {args.keys!r} is not a key space: give what the connector's scheduler "
+            "logs after 'keys ', e.g. 'NAMESPACE@LAYOUT, block geometries G1,G2'"
+        )
+    hashes = [*args.hashes, *(args.hashes_file.read().split() if args.hashes_file else [])]
+    try:
+        blocks = [bytes.fromhex(h) for h in hashes]
+    except ValueError as exc:
+        raise ConfigError(f"block hashes are hex strings (vLLM's block hashes): {exc}") from exc
+    _connect(args)
+    found = Pool.attach(*_pool_ref(args)).prefix_match(space, blocks)
+    print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
+    return 0
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     _connect(args)
     name, namespace = _pool_ref(args)
@@ -211,6 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--config", help="pool config file (YAML or JSON, see configs/)")
     doc.add_argument("--world-size", type=int, help="ranks to serve (default 1)")
     doc.set_defaults(fn=cmd_doctor)
+    pm = sub.add_parser(
+        "prefix-match",
+        help="how many leading blocks of a prefix the pool holds, in DRAM and per node",
+    )
+    pm.add_argument(
+        "--keys",
+        required=True,
+        help="the key space, as the connector's scheduler logs it after 'keys ': "
+        "'NAMESPACE@LAYOUT, block geometries G1,G2'",
+    )
+    pm.add_argument("--pp-size", type=int, default=1, help="the engine's PP size")
+    pm.add_argument("--layer-groups", type=int, default=1, help="the connector's layer groups")
+    pm.add_argument("hashes", nargs="*", help="the prefix's block hashes, hex, in order")
+    pm.add_argument("--hashes-file", type=argparse.FileType(), help="more of them, one a line")
+    pm.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pm.set_defaults(fn=cmd_prefix_match)
     down = sub.add_parser("down", help="stop a pool and its embedded servers")
     down.set_defaults(fn=cmd_down)
     args = parser.parse_args(argv)

@@ -44,6 +44,7 @@ from kvray.errors import (
 from kvray.keys import BlockKey, KeySpace
 from kvray.lookup import Answer
 from kvray.naming import region_prefix
+from kvray.prefix_match import PrefixMatch
 from kvray.ray_env import ray_init
 from kvray.remote import Call, CallTimeoutError, StoreHandle
 from kvray.shm import SharedRegion
@@ -57,6 +58,8 @@ _T = TypeVar("_T")
 Key = str | BlockKey
 _PAGE = 4096
 _LOOKUP_MARGIN_S = 2.0
+_CALL_S = 30.0
+"""A call to the pool's manager (prefix_match): it answers from memory."""
 
 
 class _LoopThread:
@@ -473,6 +476,15 @@ class Pool:
         except KVRayError as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
             return 0
+
+    def prefix_match(self, space: KeySpace, block_hashes: Iterable[bytes]) -> PrefixMatch:
+        """Leading blocks of ``block_hashes`` the pool holds for every rank of ``space``,
+        in its DRAM tier and per node (DRAM or that node's SSD tier), from the manager's
+        block index (``lookup_index``); advisory, as a lookup's answer is."""
+        return self._h.manager.prefix_match(space, list(block_hashes)).result(_CALL_S)
+
+    async def aprefix_match(self, space: KeySpace, block_hashes: Iterable[bytes]) -> PrefixMatch:
+        return await self._h.manager.prefix_match(space, list(block_hashes)).aresult(_CALL_S)
 
     # ---- observability -------------------------------------------------------------------
 

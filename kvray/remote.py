@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from kvray.keys import KeySpace
     from kvray.ledger import Entries
     from kvray.lookup import Answer, Placement
+    from kvray.prefix_match import PrefixMatch
     from kvray.shm import RegionSpec
     from kvray.transfer import TransferBatch
 
@@ -465,6 +466,11 @@ class ManagerHandle(Handle):
         """Block-index changes for the hub; answers the pool server's eviction counter
         (None: not known)."""
         return self._call("index_record", changes)
+
+    def prefix_match(self, space: KeySpace, block_hashes: list[bytes]) -> Call[PrefixMatch]:
+        """Leading blocks of ``block_hashes`` the pool holds, per tier and node (from the
+        hub's block index: :mod:`kvray.prefix_match`)."""
+        return self._call("prefix_match", space, block_hashes)
 
     def index_since(self, epoch: str, seq: int, wait_s: float) -> Call[IndexUpdate | None]:
         """The block-index changes after ``seq`` of ``epoch`` (or a snapshot), once there

@@ -17,6 +17,7 @@ from kvray import launcher
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import ConfigError, KVRayError
+from kvray.keys import KeySpace
 
 
 def _connect(args: argparse.Namespace) -> None:
@@ -172,17 +173,25 @@ async def _watch(
     return rc
 
 
+def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeySpace:
+    """``NAMESPACE@LAYOUT[, block geometries G1,G2]``: the key space as the connector's
+    scheduler logs it after ``keys`` (with geometries, their count is TP x PP)."""
+    head, _, listed = text.partition(", block geometries ")
+    namespace, at, layout = head.strip().partition("@")
+    if not (namespace and at and layout) or " " in layout:
+        raise ConfigError(
+            f"--keys {text!r} is not a key space: give what the connector's scheduler logs "
+            "after 'keys ', e.g. 'NAMESPACE@LAYOUT, block geometries G1,G2'"
+        )
+    geometries = tuple(g for g in listed.split(",") if g)
+    tp = len(geometries) // pp_size if geometries else tp_size
+    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries)
+
+
 def cmd_prefix_match(args: argparse.Namespace) -> int:
-    from kvray.connector.log_lines import key_space
     from kvray.pool import Pool
 
-    line = f"KVRayConnector scheduler: keys {args.keys}"
-    space = key_space(line, pp_size=args.pp_size, layer_groups=args.layer_groups)
-    if space is None:
-        raise ConfigError(
-            f"--keys {args.keys!r} is not a key space: give what the connector's scheduler "
-            "logs after 'keys ', e.g. 'NAMESPACE@LAYOUT, block geometries G1,G2'"
-        )
+    space = _key_space(args.keys, args.tp_size, args.pp_size, args.layer_groups)
     hashes = [*args.hashes, *(args.hashes_file.read().split() if args.hashes_file else [])]
     try:
         blocks = [bytes.fromhex(h) for h in hashes]
@@ -243,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the key space, as the connector's scheduler logs it after 'keys ': "
         "'NAMESPACE@LAYOUT, block geometries G1,G2'",
     )
+    pm.add_argument("--tp-size", type=int, default=1, help="the engine's TP size (no geometries)")
     pm.add_argument("--pp-size", type=int, default=1, help="the engine's PP size")
     pm.add_argument("--layer-groups", type=int, default=1, help="the connector's layer groups")
     pm.add_argument("hashes", nargs="*", help="the prefix's block hashes, hex, in order")

@@ -58,8 +58,6 @@ _T = TypeVar("_T")
 Key = str | BlockKey
 _PAGE = 4096
 _LOOKUP_MARGIN_S = 2.0
-_CALL_S = 30.0
-"""A call to the pool's manager (prefix_match): it answers from memory."""
 
 
 class _LoopThread:
@@ -481,10 +479,12 @@ class Pool:
         """Leading blocks of ``block_hashes`` the pool holds for every rank of ``space``,
         in its DRAM tier and per node (DRAM or that node's SSD tier), from the manager's
         block index (``lookup_index``); advisory, as a lookup's answer is."""
-        return self._h.manager.prefix_match(space, list(block_hashes)).result(_CALL_S)
+        call = self._h.manager.prefix_match(space, list(block_hashes))
+        return call.result(self.config.call_timeout_s)
 
     async def aprefix_match(self, space: KeySpace, block_hashes: Iterable[bytes]) -> PrefixMatch:
-        return await self._h.manager.prefix_match(space, list(block_hashes)).aresult(_CALL_S)
+        call = self._h.manager.prefix_match(space, list(block_hashes))
+        return await call.aresult(self.config.call_timeout_s)
 
     # ---- observability -------------------------------------------------------------------
 

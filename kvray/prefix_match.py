@@ -10,13 +10,14 @@ failed load, recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from kvray.block_index import DRAM, BlockIndex, space_digests
 from kvray.keys import KeySpace
+from kvray.lookup import leading_hits
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,9 @@ def match(
         ssd[node] = ssd.get(node, 0) | index.place_bit(node, slot, register=False)
 
     def leading(mask: int) -> int:
-        held = ((vals & np.uint32(mask)) != 0).all(axis=0)
-        return n if held.all() else int(np.argmin(held))
+        return leading_hits(((vals & np.uint32(mask)) != 0).ravel(), n, space.columns)
 
-    nodes: Iterable[str] = sorted(set(addresses) | set(ssd))
+    nodes = sorted(set(addresses) | set(ssd))
     return PrefixMatch(
         n,
         leading(DRAM),

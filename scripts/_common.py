@@ -64,10 +64,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 Step = Callable[[], object]
+#: a benchmarked path's ``(clear, put or None, between, get, check)``
+RoundTrip = tuple[Step, Step | None, Step, Step, Callable[[], bool]]
 
 
 def round_trips(
-    paths: dict[str, tuple[Step, Step | None, Step, Step, Callable[[], bool]]],
+    paths: dict[str, RoundTrip],
     reps: int,
     ops: tuple[str, str],
 ) -> dict[str, dict[str, list[float]]]:

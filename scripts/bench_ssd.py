@@ -231,7 +231,12 @@ def main() -> int:
 
         def between(root: Path, into: np.ndarray) -> Callable[[], None]:
             """Before a read: the files' pages out of the cache, the destination zeroed."""
-            return lambda: (drop_cache(root), into.fill(0))
+
+            def clear() -> None:
+                drop_cache(root)
+                into.fill(0)
+
+            return clear
 
         def same(into: np.ndarray) -> Callable[[], bool]:
             return lambda: np.array_equal(into, payload)

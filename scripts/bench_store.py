@@ -70,7 +70,7 @@ from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, parse, round_trips, timed, write_json  # noqa: E402
+from _common import RoundTrip, log, parse, round_trips, timed, write_json  # noqa: E402
 from _engines import run_meta  # noqa: E402
 from _raw_clients import RawMooncake, RawYuanrong, raw_exists_ms  # noqa: E402
 
@@ -438,7 +438,7 @@ def main() -> int:
             raw.clear(keys)
 
         # name -> (clear, put, reset destination, get, destination holds the payload)
-        paths: dict[str, tuple[Callable[[], object], ...]] = {
+        paths: dict[str, RoundTrip] = {
             "memcpy": (
                 lambda: None, lambda: np.copyto(raw_dst, payload), reset(raw_dst),
                 lambda: np.copyto(raw_dst, payload), same(raw_dst),

@@ -109,7 +109,8 @@ def main() -> int:
         parser.error("--lookup-index and --actor-lookups exclude each other")
 
     model = bench_model(args.model_dir)
-    pool, ray_address = start_bench_pool(**({"lookup_index": False} if args.actor_lookups else {}))
+    settings: dict[str, Any] = {"lookup_index": False} if args.actor_lookups else {}
+    pool, ray_address = start_bench_pool(**settings)
     tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
     env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}

@@ -20,5 +20,5 @@ def make_backend(
     if config.checksum and spec.device_setting(config) is None:
         from kvray.backends.checksum import ChecksummedBackend
 
-        return ChecksummedBackend(backend, threads=min(config.io_threads, 4))
+        return ChecksummedBackend(backend)
     return backend

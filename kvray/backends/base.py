@@ -21,7 +21,9 @@ per key; addresses must lie in memory registered with :meth:`register_region`.
 
 Verification: ``get(..., check=...)`` runs ``check`` on the adapter's I/O thread right
 after each group of keys (about :data:`CHECK_GROUP_BYTES`) landed, while their bytes are
-still in the core's cache (the block checksums, :mod:`kvray.backends.checksum`).
+still in the core's cache (the block checksums, :mod:`kvray.backends.checksum`);
+``put(..., seal=...)`` runs ``seal`` on that thread right before each group moves, so the
+native call copies bytes the digests just brought into cache.
 """
 
 from __future__ import annotations
@@ -104,9 +106,15 @@ Check = Callable[[int, int, list["KeyStatus"]], list["KeyStatus"]]
 """A load's verification: ``check(lo, hi, statuses)`` for keys ``lo:hi`` of the batch
 whose native get just returned ``statuses``; returns them verified (``CORRUPT`` for a key
 whose bytes fail). Blocking; called on the thread that moved the bytes, right after."""
+Seal = Callable[[int, int], None]
+"""A put's sealing: ``seal(lo, hi)`` writes what keys ``lo:hi`` of the batch store beside
+their bytes (their checksum trailers), computed from those bytes. Blocking; called on the
+thread that moves the bytes, right before their native call, so that the bytes it read
+are still in that core's cache when the call copies them."""
 CHECK_GROUP_BYTES = 4 << 20
-"""Keys are moved and checked in groups of about this many bytes: a group's digests run
-right after its native call, on the same thread, before the next group moves. Measured on
+"""Keys are moved and checked (or sealed) in groups of about this many bytes: a group's
+digests run right after (before) its native call, on the same thread, before the next
+group moves. Measured on
 2 cores (``scripts/bench_store.py --blocks 28 --block-kib 2048``, paired medians): the
 verification of a 56 MiB hit costs +4.3 ms this way against +8.9 ms when every chunk's
 digests ran on threads of their own after the chunk landed; groups of 1-64 MiB measured
@@ -176,9 +184,16 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
-        """Store each key from its pieces (concatenated in order)."""
+        """Store each key from its pieces (concatenated in order); with ``seal``, every
+        key is sealed before its bytes move (see :data:`Seal`)."""
 
     @abc.abstractmethod
     async def get(

@@ -19,9 +19,10 @@ A load is verified where its bytes land: the adapter moves the keys in groups of
 :data:`~kvray.backends.base.CHECK_GROUP_BYTES` and each group's digests run on the same
 I/O thread right after its native call returned, while the bytes are still in that core's
 cache (xxhash releases the GIL, so the adapter's threads verify in parallel). A put is
-sealed on threads of their own in chunks of ~:data:`CHUNK_BYTES`, a chunk's digests
-computed while the previous chunk's bytes move. Cost: see docs/reliability.md, "Block
-checksums" (bench_ttft's checksum rows, bench_store's "checksum cost").
+sealed the same way: each group's digests run on the I/O thread right before its native
+call, which then copies bytes the digests just read into that core's cache. Cost: see
+docs/reliability.md, "Block checksums" (bench_ttft's checksum rows, bench_store's
+"checksum cost").
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ import asyncio
 import ctypes
 import logging
 import mmap
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from kvray.backends.base import Backend, Check, KeyStatus, Pieces
-from kvray.backends.blocking import BlockingCalls
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,6 @@ Slots = Sequence[int]
 """Addresses of trailer slots in the arena."""
 TRAILER = 8
 """Bytes of the checksum stored after each block."""
-CHUNK_BYTES = 64 << 20
-"""A put is sealed and moved in chunks of about this many bytes, pipelined (measured on 2
-cores: 8 MiB chunks cost a quarter of the put rate in call overhead, 64 MiB none)."""
 ARENA_SLOTS = 1 << 16
 """Trailer slots registered at a time (512 KiB); more are added when batches need them."""
 
@@ -98,56 +95,15 @@ class _Arena:
         self._free.clear()
 
 
-def _chunks(sizes: Pieces, limit: int) -> list[tuple[int, int]]:
-    bounds, lo, acc = [], 0, 0
-    for i, s in enumerate(sizes):
-        acc += sum(s)
-        if acc >= limit:
-            bounds.append((lo, i + 1))
-            lo, acc = i + 1, 0
-    if lo < len(sizes):
-        bounds.append((lo, len(sizes)))
-    return bounds
-
-
-def _runs(sizes: Pieces, parts: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of ``sizes``' items, at most ``parts``, of about equal bytes."""
-    total = sum(sum(s) for s in sizes)
-    if parts <= 1 or total == 0:
-        return [(0, len(sizes))]
-    target = total / parts
-    bounds: list[tuple[int, int]] = []
-    lo, acc = 0, 0
-    for i, s in enumerate(sizes):
-        acc += sum(s)
-        if acc >= target * (len(bounds) + 1) and len(bounds) < parts - 1:
-            bounds.append((lo, i + 1))
-            lo = i + 1
-    if lo < len(sizes):
-        bounds.append((lo, len(sizes)))
-    return bounds
-
-
 class ChecksummedBackend(Backend):
     """``inner`` with a checksum trailer on every value (see the module)."""
 
-    def __init__(self, inner: Backend, *, threads: int = 2) -> None:
+    def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
         self._arena = _Arena(inner)
-        self._threads = threads
-        self._in_thread = BlockingCalls("checksum hasher", "checksum", threads)
         self.corrupt = 0
         """Blocks whose bytes failed their checksum on a load, since start."""
-
-    async def _split(self, fn: Any, n: int, sizes: Pieces, *args: Sequence[Any]) -> list[Any]:
-        """``fn(*args)`` over the ``n`` items of ``args``, cut into one run of about equal
-        bytes per thread, the runs at once; their results in order."""
-        runs = _runs(sizes, self._threads) if n > 1 else [(0, n)]
-        parts = await asyncio.gather(
-            *(self._in_thread(fn, *(a[lo:hi] for a in args)) for lo, hi in runs)
-        )
-        return [x for part in parts for x in (part or [])]
 
     @staticmethod
     def _seal(keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Sequence[int]) -> None:
@@ -179,36 +135,33 @@ class ChecksummedBackend(Backend):
             [[*s, TRAILER] for s in sizes],
         )
 
-    async def _pipelined(
+    async def put(
         self,
         keys: Sequence[str],
         ptrs: Pieces,
         sizes: Pieces,
-        chunk: Callable[[Sequence[str], Pieces, Pieces, Sequence[int]], Awaitable[list[KeyStatus]]],
-        limit: int,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
-        """``chunk(keys, ptrs, sizes, trailer slots)`` over the batch's chunks of about
-        ``limit`` bytes at once, with trailer slots held until every chunk returned."""
+        if seal is not None:
+            raise ValueError("a checksummed backend seals its puts itself")
+        if not keys:
+            return []
         slots = await self._arena.take(len(keys))
+
+        def seal_trailers(lo: int, hi: int) -> None:
+            self._seal(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi])
+
         try:
-            parts = await asyncio.gather(
-                *(
-                    chunk(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi])
-                    for lo, hi in _chunks(sizes, limit)
-                )
+            return await self.inner.put(
+                keys,
+                *self._with_trailers(ptrs, sizes, slots),
+                overwrite=overwrite,
+                seal=seal_trailers,
             )
         finally:
             self._arena.give(slots)
-        return [st for part in parts for st in part]
-
-    async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
-    ) -> list[KeyStatus]:
-        async def chunk(k: Sequence[str], p: Pieces, s: Pieces, t: Slots) -> list[KeyStatus]:
-            await self._split(self._seal, len(k), s, k, p, s, t)
-            return await self.inner.put(k, *self._with_trailers(p, s, t), overwrite=overwrite)
-
-        return await self._pipelined(keys, ptrs, sizes, chunk, CHUNK_BYTES) if keys else []
 
     async def get(
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
@@ -262,5 +215,4 @@ class ChecksummedBackend(Backend):
         try:
             await self._arena.close()
         finally:
-            await self._in_thread.close()
             await self.inner.close()

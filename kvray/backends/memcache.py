@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal, groups
 from kvray.backends.blocking import BlockingCalls
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
@@ -262,7 +262,13 @@ class MemcacheBackend(Backend):
         return [c == 1 for c in codes]
 
     async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
         if not keys:
             return []
@@ -271,13 +277,23 @@ class MemcacheBackend(Backend):
             # MemCache never overwrites: drop the old object first (a reader in between
             # sees a miss, never mixed bytes).
             await self.remove(keys, force=True)
-        codes = await self._call(
-            self._store.batch_put_from_layers,
-            enc,
-            [list(p) for p in ptrs],
-            [list(s) for s in sizes],
-            self._put_direct,
-        )
+
+        def write() -> list[int]:
+            """One native call, or (with ``seal``) one per group, each sealed right
+            before it moves."""
+            codes: list[int] = []
+            for a, b in groups(sizes, 0, len(enc)) if seal else [(0, len(enc))]:
+                if seal:
+                    seal(a, b)
+                codes += self._store.batch_put_from_layers(
+                    enc[a:b],
+                    [list(p) for p in ptrs[a:b]],
+                    [list(s) for s in sizes[a:b]],
+                    self._put_direct,
+                )
+            return codes
+
+        codes = await self._call(write)
         self._raise_if_unavailable("put", codes)
         # A put of an existing key writes nothing: first write wins, as in the contract.
         return [KeyStatus.OK if c == DUPLICATED_OBJECT else status_of(c) for c in codes]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from kvray.backends.base import Backend, Check, KeyStatus, Pieces, groups
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal, groups
 from kvray.backends.blocking import BlockingCalls
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
@@ -196,46 +196,44 @@ class MooncakeBackend(Backend):
         bounds = [n * i // parts for i in range(parts + 1)]
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
-    async def _split_call(
-        self,
-        fn: Callable[..., list[int]],
-        keys: list[str],
-        nbytes: int,
-        lists: list[list[Any]],
-        *tail: Any,
-    ) -> list[int]:
-        """``fn(keys, *lists, *tail)`` as one native batch call per slice (:meth:`_slices`)."""
-        parts = await asyncio.gather(
-            *(
-                self._call(fn, keys[lo:hi], *(col[lo:hi] for col in lists), *tail)
-                for lo, hi in self._slices(len(keys), nbytes)
-            )
-        )
-        return [code for part in parts for code in part]
-
     async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
         if not keys:
             return []
         keys = list(keys)
+        lists: list[list[Any]]
         if all(len(p) == 1 for p in ptrs):
             fn = self._store.batch_upsert_from if overwrite else self._store.batch_put_from
-            lists: list[list[Any]] = [[p[0] for p in ptrs], [s[0] for s in sizes]]
-            codes = await self._split_call(fn, keys, _total(sizes), lists, self._replicate)
+            lists = [[p[0] for p in ptrs], [s[0] for s in sizes]]
         else:
             if overwrite:
                 # Mooncake has no multi-buffer upsert: remove, then write. A reader in
                 # between sees a miss, never mixed bytes.
                 await self._call(self._store.batch_remove, keys, True)
+            fn = self._store.batch_put_from_multi_buffers
             lists = [[list(p) for p in ptrs], [list(s) for s in sizes]]
-            codes = await self._split_call(
-                self._store.batch_put_from_multi_buffers,
-                keys,
-                _total(sizes),
-                lists,
-                self._replicate,
-            )
+
+        def write(lo: int, hi: int) -> list[int]:
+            """Keys ``lo:hi``: one native call, or (with ``seal``) one per group, each
+            sealed right before it moves."""
+            codes: list[int] = []
+            for a, b in groups(sizes, lo, hi) if seal else [(lo, hi)]:
+                if seal:
+                    seal(a, b)
+                codes += fn(keys[a:b], *(col[a:b] for col in lists), self._replicate)
+            return codes
+
+        parts = await asyncio.gather(
+            *(self._call(write, lo, hi) for lo, hi in self._slices(len(keys), _total(sizes)))
+        )
+        codes = [code for part in parts for code in part]
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]
 

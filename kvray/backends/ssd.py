@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from kvray.backends.base import Backend, Check, KeyStatus, Pieces
+from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal
 from kvray.backends.blocking import BlockingCalls
 from kvray.config import SsdConfig
 from kvray.errors import ConfigError
@@ -348,9 +348,22 @@ class SsdBackend(Backend):
             return [k in self._index for k in keys]
 
     async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
-        return await self._each(self._write_one, keys, ptrs, sizes, [overwrite] * len(keys))
+        if seal is None:
+            return await self._each(self._write_one, keys, ptrs, sizes, [overwrite] * len(keys))
+
+        def seal_and_write(i: int, key: str, p: Sequence[int], s: Sequence[int]) -> KeyStatus:
+            seal(i, i + 1)
+            return self._write_one(key, p, s, overwrite)
+
+        return await self._each(seal_and_write, range(len(keys)), keys, ptrs, sizes)
 
     async def get(
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None

@@ -38,6 +38,7 @@ from kvray.backends.base import (
     Check,
     KeyStatus,
     Pieces,
+    Seal,
     gather_pieces,
     groups,
     scatter_pieces,
@@ -247,13 +248,20 @@ class DatasystemBackend(Backend):
 
     @abc.abstractmethod
     def _writer(
-        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces, seal: Seal | None
     ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
         """``(write, nbytes)``: ``write(lo, hi)`` stores keys ``lo:hi`` (encoded keys,
-        already filtered by first-write-wins) and returns their statuses."""
+        already filtered by first-write-wins; ``seal`` numbers them the same way) and
+        returns their statuses."""
 
     async def put(
-        self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, overwrite: bool = False
+        self,
+        keys: Sequence[str],
+        ptrs: Pieces,
+        sizes: Pieces,
+        *,
+        overwrite: bool = False,
+        seal: Seal | None = None,
     ) -> list[KeyStatus]:
         if not keys:
             return []
@@ -261,8 +269,18 @@ class DatasystemBackend(Backend):
         out, todo = await self._missing_first(enc, overwrite)
         if not todo:
             return out
+
+        def seal_todo(lo: int, hi: int) -> None:
+            """``seal`` of the keys to write ``lo:hi``, in the batch's numbering."""
+            assert seal is not None
+            for i in todo[lo:hi]:
+                seal(i, i + 1)
+
         write, nbytes = self._writer(
-            [enc[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+            [enc[i] for i in todo],
+            [ptrs[i] for i in todo],
+            [sizes[i] for i in todo],
+            seal if seal is None or len(todo) == len(enc) else seal_todo,
         )
         for i, status in zip(todo, await self._split(write, len(todo), nbytes), strict=True):
             out[i] = status
@@ -328,14 +346,18 @@ class YuanrongBackend(DatasystemBackend):
         )
 
     def _writer(
-        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces, seal: Seal | None
     ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
         def write(lo: int, hi: int) -> list[KeyStatus]:
             totals = [sum(s) for s in sizes[lo:hi]]
             try:
                 bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
-                for buf, p, s in zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True):
-                    gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
+                # Copied (and with ``seal`` sealed first) a group at a time, in cache.
+                for a, b in groups(sizes, lo, hi) if seal else [(lo, hi)]:
+                    if seal:
+                        seal(a, b)
+                    for buf, p, s in zip(bufs[a - lo : b - lo], ptrs[a:b], sizes[a:b], strict=True):
+                        gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
                 self._native(self._client.mset_buffer, bufs)
             except RuntimeError as exc:
                 status = classify(exc) or KeyStatus.ERROR

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvray.backends.base import Check, KeyStatus, Pieces
+from kvray.backends.base import Check, KeyStatus, Pieces, Seal
 from kvray.backends.yuanrong import DatasystemBackend, classify, code_of, logger
 from kvray.errors import BackendUnavailableError
 
@@ -60,8 +60,10 @@ class YuanrongDeviceBackend(DatasystemBackend):
         ]
 
     def _writer(
-        self, keys: list[str], ptrs: Pieces, sizes: Pieces
+        self, keys: list[str], ptrs: Pieces, sizes: Pieces, seal: Seal | None
     ) -> tuple[Callable[[int, int], list[KeyStatus]], int]:
+        if seal is not None:
+            raise ValueError("the device data path moves device memory: the host cannot seal it")
         from yr.datasystem.kv_client import SetParam
 
         param = SetParam()

@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvray.backends import base, checksum
+from kvray.backends import base
 from kvray.backends.base import KeyStatus
 from kvray.backends.checksum import TRAILER, ChecksummedBackend
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 BLOCK = 512 << 10
 CHUNK = 4 << 20
 N = 2 * CHUNK // BLOCK + 3
-"""Blocks per batch: three chunks (and checked groups), so a bad block's status must land
+"""Blocks per batch: three groups (sealed and checked), so a bad block's status must land
 in the right one."""
 _ids = itertools.count()
 _made: list[str] = []
@@ -27,7 +27,6 @@ _made: list[str] = []
 
 @pytest.fixture(params=["mooncake", "yuanrong"])
 async def store(request, monkeypatch):
-    monkeypatch.setattr(checksum, "CHUNK_BYTES", CHUNK)
     monkeypatch.setattr(base, "CHECK_GROUP_BYTES", CHUNK)
     inner = BACKENDS[request.param](request)  # the contract suite's real-server clients
     wrapped = ChecksummedBackend(inner)
@@ -84,6 +83,26 @@ async def test_round_trip_over_several_chunks(store, memory, pieces):
     assert await store.get(keys, *_pieces(memory, N, N, pieces)) == [KeyStatus.OK] * N
     assert np.array_equal(memory[: N * BLOCK], memory[N * BLOCK : 2 * N * BLOCK])
     assert store.corrupt == 0
+
+
+async def test_a_put_seals_each_group_before_its_bytes_move(store, memory):
+    """The adapters' ``seal`` hook: called once per group of about CHECK_GROUP_BYTES,
+    covering the batch in order, each before that group's bytes are copied (a seal that
+    stamps its blocks' first byte: every stored block carries the stamp)."""
+    keys = _keys(N)
+    calls: list[tuple[int, int]] = []
+
+    def stamp(lo: int, hi: int) -> None:
+        calls.append((lo, hi))
+        for i in range(lo, hi):
+            memory[i * BLOCK] = 0xA5
+
+    memory[: N * BLOCK : BLOCK] = 0
+    assert await store.inner.put(keys, *_pieces(memory, 0, N), seal=stamp) == [KeyStatus.OK] * N
+    assert [i for lo, hi in sorted(calls) for i in range(lo, hi)] == list(range(N))
+    assert len(calls) >= 3 and all((hi - lo) * BLOCK <= CHUNK for lo, hi in calls)
+    assert await store.inner.get(keys, *_pieces(memory, N, N)) == [KeyStatus.OK] * N
+    assert (memory[N * BLOCK : 2 * N * BLOCK : BLOCK] == 0xA5).all()
 
 
 async def test_a_flipped_byte_in_the_pool_is_a_corrupt_load_and_the_block_goes(store, memory):

@@ -130,19 +130,6 @@ def test_without_a_lower_tier_a_dram_miss_is_a_miss(tmp_path):
         region.close()
 
 
-def test_checksum_work_is_split_into_runs_of_equal_bytes():
-    from kvray.backends.checksum import _runs
-
-    assert _runs([[4], [4], [4], [4]], 2) == [(0, 2), (2, 4)]
-    assert _runs([[8], [1], [1], [1], [1]], 2) == [(0, 1), (1, 5)]
-    assert _runs([[1, 1]] * 3, 4) == [(0, 1), (1, 2), (2, 3)]
-    assert _runs([[4]], 2) == [(0, 1)]
-    assert _runs([[4], [4]], 1) == [(0, 2)]
-    runs = _runs([[3]] * 10, 3)
-    assert runs[0][0] == 0 and runs[-1][1] == 10 and len(runs) == 3
-    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-
-
 def test_the_index_hears_each_tier_store_remove_and_find_keys_gone(tmp_path):
     """A call given an ``index`` list: what each tier took, what kvray removed, and what a
     load found gone from a tier (DRAM evicted behind kvray's back), each its own entry."""

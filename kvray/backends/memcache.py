@@ -282,7 +282,7 @@ class MemcacheBackend(Backend):
             """One native call, or (with ``seal``) one per group, each sealed right
             before it moves."""
             codes: list[int] = []
-            for a, b in groups(sizes, 0, len(enc)) if seal else [(0, len(enc))]:
+            for a, b in groups(sizes, 0, len(enc), seal=True) if seal else [(0, len(enc))]:
                 if seal:
                     seal(a, b)
                 codes += self._store.batch_put_from_layers(

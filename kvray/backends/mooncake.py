@@ -224,7 +224,7 @@ class MooncakeBackend(Backend):
             """Keys ``lo:hi``: one native call, or (with ``seal``) one per group, each
             sealed right before it moves."""
             codes: list[int] = []
-            for a, b in groups(sizes, lo, hi) if seal else [(lo, hi)]:
+            for a, b in groups(sizes, lo, hi, seal=True) if seal else [(lo, hi)]:
                 if seal:
                     seal(a, b)
                 codes += fn(keys[a:b], *(col[a:b] for col in lists), self._replicate)

@@ -353,7 +353,7 @@ class YuanrongBackend(DatasystemBackend):
             try:
                 bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
                 # Copied (and with ``seal`` sealed first) a group at a time, in cache.
-                for a, b in groups(sizes, lo, hi) if seal else [(lo, hi)]:
+                for a, b in groups(sizes, lo, hi, seal=True) if seal else [(lo, hi)]:
                     if seal:
                         seal(a, b)
                     for buf, p, s in zip(bufs[a - lo : b - lo], ptrs[a:b], sizes[a:b], strict=True):

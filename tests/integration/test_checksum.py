@@ -28,6 +28,7 @@ _made: list[str] = []
 @pytest.fixture(params=["mooncake", "yuanrong"])
 async def store(request, monkeypatch):
     monkeypatch.setattr(base, "CHECK_GROUP_BYTES", CHUNK)
+    monkeypatch.setattr(base, "SEAL_GROUP_BYTES", CHUNK)
     inner = BACKENDS[request.param](request)  # the contract suite's real-server clients
     wrapped = ChecksummedBackend(inner)
     yield wrapped
@@ -86,7 +87,7 @@ async def test_round_trip_over_several_chunks(store, memory, pieces):
 
 
 async def test_a_put_seals_each_group_before_its_bytes_move(store, memory):
-    """The adapters' ``seal`` hook: called once per group of about CHECK_GROUP_BYTES,
+    """The adapters' ``seal`` hook: called once per group of about SEAL_GROUP_BYTES,
     covering the batch in order, each before that group's bytes are copied (a seal that
     stamps its blocks' first byte: every stored block carries the stamp)."""
     keys = _keys(N)

@@ -18,7 +18,9 @@ Trailers live in a small registered arena of this client (8 bytes per key in fli
 A load is verified where its bytes land: the adapter moves the keys in groups of about
 :data:`~kvray.backends.base.CHECK_GROUP_BYTES` and each group's digests run on the same
 I/O thread right after its native call returned, while the bytes are still in that core's
-cache (xxhash releases the GIL, so the adapter's threads verify in parallel). A put is
+cache (xxhash releases the GIL for pieces over 64 KiB, so the adapter's threads verify
+whole blocks in parallel; vLLM's per-layer pieces are often smaller and hash one thread
+at a time). A put is
 sealed the same way: each group's digests run on the I/O thread right before its native
 call, which then copies bytes the digests just read into that core's cache. Cost: see
 docs/reliability.md, "Block checksums" (bench_ttft's checksum rows, bench_store's

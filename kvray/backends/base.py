@@ -56,22 +56,29 @@ class _Memory:
         }
 
 
-def _strided(ptrs: Sequence[int], sizes: Sequence[int]) -> int | None:
-    """The stride between a key's pieces when they are all one size at one stride, apart
-    (a block's per-layer pieces in vLLM's KV cache), else None."""
-    size, step = sizes[0], ptrs[1] - ptrs[0]
-    if step < size:
-        return None
-    for i in range(1, len(ptrs)):
-        if sizes[i] != size or ptrs[i] - ptrs[i - 1] != step:
-            return None
-    return step
+def _runs(ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """A key's pieces as runs of one size at one stride, apart (a block's per-layer
+    pieces in vLLM's KV cache; the checksum's trailer a run of its own):
+    ``(first piece, pieces, stride)``."""
+    runs: list[tuple[int, int, int]] = []
+    i, n = 0, len(ptrs)
+    while i < n:
+        j = i + 1
+        if j < n and sizes[j] == sizes[i] and ptrs[j] - ptrs[i] >= sizes[i]:
+            step = ptrs[j] - ptrs[i]
+            while j < n and sizes[j] == sizes[i] and ptrs[j] - ptrs[j - 1] == step:
+                j += 1
+        else:
+            step = sizes[i]
+        runs.append((i, j - i, step))
+        i = j
+    return runs
 
 
 def gather_pieces(dst: int, ptrs: Sequence[int], sizes: Sequence[int]) -> None:
     """One key's pieces, in order, into the contiguous value at ``dst``: one strided copy
-    (numpy, GIL released) when the pieces are one size at one stride, else one
-    ``memmove`` per piece."""
+    (numpy, GIL released) per run of pieces of one size at one stride, one ``memmove``
+    per other piece."""
     _copy(dst, ptrs, sizes, into_value=True)
 
 
@@ -82,24 +89,24 @@ def scatter_pieces(src: int, ptrs: Sequence[int], sizes: Sequence[int]) -> None:
 
 
 def _copy(value: int, ptrs: Sequence[int], sizes: Sequence[int], *, into_value: bool) -> None:
-    if len(ptrs) > 1:
-        step = _strided(ptrs, sizes)
-        if step is not None:
-            shape = (len(ptrs), sizes[0])
-            flat = np.asarray(_Memory(value, shape, (sizes[0], 1)))
-            pieces = np.asarray(_Memory(ptrs[0], shape, (step, 1)))
+    """One numpy copy (GIL released) per run of pieces (:func:`_runs`), one ``memmove``
+    per lone piece."""
+    at = value
+    for i, count, step in _runs(ptrs, sizes) if len(ptrs) > 1 else [(0, 1, sizes[0])]:
+        size = sizes[i]
+        if count == 1:
+            if into_value:
+                ctypes.memmove(at, ptrs[i], size)
+            else:
+                ctypes.memmove(ptrs[i], at, size)
+        else:
+            flat = np.asarray(_Memory(at, (count, size), (size, 1)))
+            pieces = np.asarray(_Memory(ptrs[i], (count, size), (step, 1)))
             if into_value:
                 np.copyto(flat, pieces)
             else:
                 np.copyto(pieces, flat)
-            return
-    at = value
-    for ptr, size in zip(ptrs, sizes, strict=True):
-        if into_value:
-            ctypes.memmove(at, ptr, size)
-        else:
-            ctypes.memmove(ptr, at, size)
-        at += size
+        at += count * size
 
 
 Check = Callable[[int, int, list["KeyStatus"]], list["KeyStatus"]]
@@ -109,8 +116,9 @@ whose bytes fail). Blocking; called on the thread that moved the bytes, right af
 Seal = Callable[[int, int], None]
 """A put's sealing: ``seal(lo, hi)`` writes what keys ``lo:hi`` of the batch store beside
 their bytes (their checksum trailers), computed from those bytes. Blocking; called on the
-thread that moves the bytes, right before their native call, so that the bytes it read
-are still in that core's cache when the call copies them."""
+thread that moves the bytes, right before they move (a native call's group, or one key
+where the adapter copies it itself), so that the bytes it read are still in that core's
+cache when they are copied."""
 CHECK_GROUP_BYTES = 4 << 20
 """Keys are moved and checked (or sealed) in groups of about this many bytes: a group's
 digests run right after (before) its native call, on the same thread, before the next

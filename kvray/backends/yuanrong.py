@@ -40,7 +40,6 @@ from kvray.backends.base import (
     Pieces,
     Seal,
     gather_pieces,
-    groups,
     scatter_pieces,
 )
 from kvray.backends.blocking import BlockingCalls
@@ -352,12 +351,12 @@ class YuanrongBackend(DatasystemBackend):
             totals = [sum(s) for s in sizes[lo:hi]]
             try:
                 bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
-                # Copied (and with ``seal`` sealed first) a group at a time, in cache.
-                for a, b in groups(sizes, lo, hi, seal=True) if seal else [(lo, hi)]:
+                # The copy is this thread's: each key is sealed right before it is copied,
+                # so the copy reads what the digest just brought into this core's cache.
+                for i, (buf, p, s) in enumerate(zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True)):
                     if seal:
-                        seal(a, b)
-                    for buf, p, s in zip(bufs[a - lo : b - lo], ptrs[a:b], sizes[a:b], strict=True):
-                        gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
+                        seal(lo + i, lo + i + 1)
+                    gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
                 self._native(self._client.mset_buffer, bufs)
             except RuntimeError as exc:
                 status = classify(exc) or KeyStatus.ERROR
@@ -382,19 +381,16 @@ class YuanrongBackend(DatasystemBackend):
                 # The SDK raises when every key of the call is missing.
                 return [classify(exc) or KeyStatus.ERROR] * (hi - lo)
             out: list[KeyStatus] = []
-            # Copied and (with ``check``) checked a group at a time, while it is in cache.
-            for a, b in groups(sizes, lo, hi) if check else [(lo, hi)]:
-                got = []
-                for buf, p, s in zip(bufs[a - lo : b - lo], ptrs[a:b], sizes[a:b], strict=True):
-                    if buf is None:
-                        got.append(KeyStatus.NOT_FOUND)
-                        continue
-                    if buf.GetSize() != sum(s):
-                        got.append(KeyStatus.SIZE_MISMATCH)
-                        continue
+            # The copy is this thread's: each key is checked (with ``check``) right after it
+            # is copied, while its bytes are in this core's cache.
+            for i, (buf, p, s) in enumerate(zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True)):
+                if buf is None:
+                    out.append(KeyStatus.NOT_FOUND)
+                elif buf.GetSize() != sum(s):
+                    out.append(KeyStatus.SIZE_MISMATCH)
+                else:
                     scatter_pieces(np.frombuffer(buf, dtype=np.uint8).ctypes.data, p, s)
-                    got.append(KeyStatus.OK)
-                out += check(a, b, got) if check and KeyStatus.OK in got else got
+                    out += check(lo + i, lo + i + 1, [KeyStatus.OK]) if check else [KeyStatus.OK]
             return out
 
         return await self._split(read, len(enc), nbytes)

@@ -87,8 +87,9 @@ async def test_round_trip_over_several_chunks(store, memory, pieces):
 
 
 async def test_a_put_seals_each_group_before_its_bytes_move(store, memory):
-    """The adapters' ``seal`` hook: called once per group of about SEAL_GROUP_BYTES,
-    covering the batch in order, each before that group's bytes are copied (a seal that
+    """The adapters' ``seal`` hook: called once per group of at most SEAL_GROUP_BYTES
+    (Mooncake: per native call; the datasystem, whose copies are the adapter's own: per
+    key), covering the batch, each before that group's bytes are copied (a seal that
     stamps its blocks' first byte: every stored block carries the stamp)."""
     keys = _keys(N)
     calls: list[tuple[int, int]] = []

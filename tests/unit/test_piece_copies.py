@@ -1,6 +1,6 @@
 """A key's pieces copied into and out of its contiguous value (kvray/backends/base.py):
-one strided copy when the pieces are one size at one stride (a block's per-layer K/V in
-vLLM's KV cache), one memmove each otherwise; byte for byte either way."""
+one strided copy per run of pieces of one size at one stride (a block's per-layer K/V in
+vLLM's KV cache), one memmove for each other piece; byte for byte either way."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def _pieces(buf: np.ndarray, offsets: list[int], sizes: list[int]) -> list[int]:
         ([0, 4096, 8192], [1024, 512, 1024]),  # uneven sizes
         ([5000], [3000]),  # one piece
         ([8192, 4096, 0], [1024] * 3),  # descending: not a stride numpy may take
+        ([0, 2048, 4096, 6144, 15000], [1024] * 4 + [8]),  # per-layer pieces, then a trailer
+        ([0, 2048, 4096, 9000, 11000, 13000], [1024] * 6),  # two runs of two strides
+        ([0, 3000, 6000, 7000, 8000], [1024, 1024, 1024, 512, 512]),  # two runs of two sizes
     ],
 )
 def test_pieces_round_trip_byte_for_byte(offsets: list[int], sizes: list[int]) -> None:
@@ -42,3 +45,12 @@ def test_pieces_round_trip_byte_for_byte(offsets: list[int], sizes: list[int]) -
     for o, n in zip(offsets, sizes, strict=True):
         mask[o : o + n] = False
     assert not back[mask].any()  # nothing written outside the pieces
+
+
+def test_pieces_are_copied_as_runs_of_one_size_at_one_stride() -> None:
+    from kvray.backends.base import _runs
+
+    assert _runs([0, 2048, 4096, 6144, 15000], [1024] * 4 + [8]) == [(0, 4, 2048), (4, 1, 8)]
+    assert _runs([0, 2048, 4096, 9000, 11000], [1024] * 5) == [(0, 3, 2048), (3, 2, 2000)]
+    assert _runs([8192, 4096, 0], [1024] * 3) == [(0, 1, 1024), (1, 1, 1024), (2, 1, 1024)]
+    assert _runs([0, 500], [1000, 1000]) == [(0, 1, 1000), (1, 1, 1000)]  # overlapping

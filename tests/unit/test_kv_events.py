@@ -14,18 +14,7 @@ import pytest
 from kvray.block_index import DRAM, BlockIndex, space_digests
 from kvray.keys import KeySpace, chain_block_hashes
 from kvray.kv_events import CPU, STORAGE, BlockInfo, Described, KVEventsHub
-
-vk = pytest.importorskip("vllm.distributed.kv_events", reason="the subscriber needs vLLM")
-zmq = pytest.importorskip("zmq")
-msgspec = pytest.importorskip("msgspec")
-
-
-def ext(h: bytes):  # type: ignore[no-untyped-def]
-    """A block hash as vLLM's own events carry it (bytes, or an int: its env's choice)."""
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    return maybe_convert_block_hash(h)
-
+from tests.kv_subscriber import Subscriber, ext, vk
 
 SPACE = KeySpace("events-test", "float32-b16-h2x64", tp_size=2)
 TOPIC = "kv@127.0.0.1@tiny"
@@ -61,55 +50,6 @@ def hub(index):
     h.publisher.wait_ready(120)
     yield h
     h.close()
-
-
-class Subscriber:
-    """vLLM's example subscriber, reduced: a SUB socket on the topic, a REQ-like DEALER
-    for replay, batches decoded into vLLM's KVEventBatch."""
-
-    def __init__(self, endpoint: str, replay: str | None, topic: str) -> None:
-        self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.connect(endpoint)
-        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.replay_endpoint = replay
-        self.decode = msgspec.msgpack.Decoder(type=vk.KVEventBatch).decode
-        self.blocks: dict[tuple[str | None, str | None], set[bytes]] = {}
-
-    def recv(self, timeout_s: float = 10.0) -> tuple[str, int, vk.KVEventBatch]:
-        if not self.sub.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no batch")
-        topic, seq, payload = self.sub.recv_multipart()
-        return topic.decode(), int.from_bytes(seq, "big"), self.decode(payload)
-
-    def replay(self, start: int) -> list[tuple[str, int, vk.KVEventBatch]]:
-        req = self.ctx.socket(zmq.DEALER)
-        req.connect(self.replay_endpoint)
-        req.send_multipart((b"", start.to_bytes(8, "big")))
-        out = []
-        while True:
-            assert req.poll(10_000), "no replay answer"
-            _, topic, seq, payload = req.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                break
-            out.append((topic.decode(), int.from_bytes(seq, "big"), self.decode(payload)))
-        req.close(linger=0)
-        return out
-
-    def apply(self, batch: vk.KVEventBatch) -> None:
-        for ev in batch.events:
-            if isinstance(ev, vk.AllBlocksCleared):
-                self.blocks.clear()
-            elif isinstance(ev, vk.BlockStored):
-                self.blocks.setdefault((ev.medium, ev.ownership), set()).update(ev.block_hashes)
-            elif isinstance(ev, vk.BlockRemoved):
-                self.blocks.setdefault((ev.medium, ev.ownership), set()).difference_update(
-                    ev.block_hashes
-                )
-
-    def close(self) -> None:
-        self.sub.close(linger=0)
-        self.ctx.term()
 
 
 def _store(index: BlockIndex, blocks: list[BlockInfo], columns: list[int], bits: int = DRAM):

@@ -55,9 +55,7 @@ def _until(cond, timeout_s: float = 30.0, *subs) -> None:  # type: ignore[no-unt
             s.drain(0.2)
 
 
-def test_the_pools_events_match_the_engines_and_the_pool(
-    events_pool, engines, tiny_model, request
-):
+def test_the_pools_events_match_the_engines_and_the_pool(events_pool, engines, tiny_model, request):
     pool, ends = events_pool
     topic_prefix = "kv@"
     pool_sub = kv.Subscriber(ends["endpoint"], ends["replay"], topic_prefix)
@@ -105,9 +103,7 @@ def test_the_pools_events_match_the_engines_and_the_pool(
         assert want <= set(theirs), "the engine published no events for its blocks"
         for h in want:
             assert ours[h] == theirs[h]
-        assert {ev.medium for ev in pool_sub.events if isinstance(ev, kv.vk.BlockStored)} == {
-            "CPU"
-        }
+        assert {ev.medium for ev in pool_sub.events if isinstance(ev, kv.vk.BlockStored)} == {"CPU"}
 
         # After quiescence plus 2 s, the subscriber's blocks are what exists() says.
         space = logged_key_space(eng.log())
@@ -119,9 +115,7 @@ def test_the_pools_events_match_the_engines_and_the_pool(
         # A removal: the block is published removed.
         gone = space.lookup_key_strs(hashes[3:])[0]  # one column of the last block
         pool.remove([gone], force=True)
-        _until(
-            lambda: kv.ext(hashes[3]) not in pool_sub.blocks[("CPU", "e2e-ev")], 30, pool_sub
-        )
+        _until(lambda: kv.ext(hashes[3]) not in pool_sub.blocks[("CPU", "e2e-ev")], 30, pool_sub)
         time.sleep(2)
         pool_sub.drain(0.5)
         assert _held(pool, space, hashes) == want - {kv.ext(hashes[3])}

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvray.connector.instance import InstanceInfo
     from kvray.connector.metadata import BlockOp
     from kvray.connector.request_state import RequestState
+    from kvray.keys import KeySpace
     from kvray.remote import Call, ManagerHandle
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,13 @@ class BlockDescriber:
         self.described = 0
         """Blocks described since start."""
 
-    def describe(self, ops: Sequence[BlockOp], reqs: Mapping[str, RequestState]) -> None:
-        """The blocks of ``ops`` (their requests in ``reqs``), in one call."""
+    def describe(
+        self, ops: Sequence[BlockOp], reqs: Mapping[str, RequestState], space: KeySpace
+    ) -> None:
+        """The blocks of ``ops`` (their requests in ``reqs``) of ``space`` (the
+        scheduler's, once its workers' geometries are known), in one call."""
+        if not space.complete:
+            return
         blocks: list[BlockInfo] = []
         for op in ops:
             st = reqs.get(op.req_id)
@@ -60,7 +66,6 @@ class BlockDescriber:
         if not blocks:
             return
         self._check()
-        space = self._info.space
         report = Described(space, self.topic, self._info.block_size, tuple(blocks))
         self._call = self._manager.describe_blocks([report])
         self.described += len(blocks)

@@ -424,7 +424,7 @@ class KVRayScheduler:
             planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
             saves += planned
             if self._describer is not None:
-                self._describer.describe(planned, self._reqs)
+                self._describer.describe(planned, self._reqs, self.info.space)
         self._note_saving(saves)
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
@@ -510,7 +510,7 @@ class KVRayScheduler:
             late = plan_saves({rid: st}, (rid,), self.block_size, held)
             self._late_saves += late
             if self._describer is not None:
-                self._describer.describe(late, {rid: st})
+                self._describer.describe(late, {rid: st}, self.info.space)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:
             tl = clock.timeline

@@ -31,7 +31,6 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvray import remote
 from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
@@ -111,8 +110,7 @@ class KVRayScheduler:
         self._describer: BlockDescriber | None = None
         """The saved blocks' descriptions for the pool's KV events (``kv_events``)."""
         if pool.config.kv_events is not None:
-            host = remote.alive_nodes().get(pool.node_id, "")
-            topic = topic_of(pool.config.kv_events, info, pool.config.name, host)
+            topic = topic_of(pool.config.kv_events, info, pool.config.name, pool.node_ip())
             self._describer = BlockDescriber(pool.manager, info, topic, self._warn_once)
         self._pd = PDParams(info, self._hashes, self.stats, self._warn_once)
         self._reqs: dict[str, RequestState] = {}

@@ -391,13 +391,15 @@ class KVEventsPublisher:
             raise self._error
 
     def publish(self, topic: str, events: list[Event]) -> None:
-        """One batch on ``topic`` (the topic's snapshot first if it is new)."""
-        if events:
+        """One batch on ``topic`` (the topic's snapshot first if it is new); dropped
+        when the publisher could not start (:meth:`wait_ready` says why)."""
+        if events and self._error is None:
             self._queue.put((topic, events))
 
     def add_topic(self, topic: str) -> None:
         """Start ``topic``: its first batch is its snapshot."""
-        self._queue.put((topic, []))
+        if self._error is None:
+            self._queue.put((topic, []))
 
     def close(self) -> None:
         self._queue.put(None)

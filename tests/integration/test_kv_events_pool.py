@@ -29,7 +29,6 @@ TOPIC = "kv@127.0.0.1@int"
 
 def _whole(pool: Pool, space: KeySpace, hashes: list[bytes]) -> set:  # type: ignore[type-arg]
     """The blocks of ``hashes`` every column of which ``exists()`` (vLLM's hash form)."""
-    n = len(hashes)
     present = [pool.exists(space.rank_key_strs(hashes, r), rank=r) for r in range(space.world_size)]
     return {kv.ext(h) for i, h in enumerate(hashes) if all(p[i] for p in present)}
 

@@ -398,7 +398,9 @@ def _engine(spec: dict[str, Any]) -> int:
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("kv_events_config"):  # the engine's own KV events (vLLM's publisher)
-        kwargs["kv_events_config"] = spec["kv_events_config"]
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     llm = LLM(
         model=spec["model"],
         enforce_eager=True,

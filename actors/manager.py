@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 from kvray import metrics, prefix_match, remote
 from kvray.actors import placement
 from kvray.actors.node_config import actor_config
@@ -18,6 +20,7 @@ from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
 from kvray.index_stream import IndexChange, IndexHub, IndexUpdate
 from kvray.keys import KeySpace
+from kvray.kv_events import Described, KVEventsHub
 from kvray.ledger import Entries
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
@@ -82,8 +85,37 @@ class PoolManagerActor:
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
         self._nodes_at_start = nodes_at_start
+        self._events = self._start_events(alive) if self._index is not None else None
         if take_back or remote.restarted():
             self._take_back(set(alive))
+
+    def _start_events(self, alive: dict[str, str]) -> KVEventsHub | None:
+        """The KV-events publisher (``kv_events``), listening by ``server_host``'s rule."""
+        ev = self._config.kv_events
+        if ev is None or self._index is None:
+            return None
+        host = self._config.listen_host(self._node_ip, self._nodes_at_start, ev.host)
+        pub = f"tcp://{host}:{ev.port}"
+        replay = None if ev.replay_port is None else f"tcp://{host}:{ev.replay_port}"
+        try:
+            hub = KVEventsHub(
+                self._index.index,
+                self._config.name,
+                pub,
+                replay,
+                buffer=ev.buffer_batches,
+                hwm=ev.hwm,
+                max_blocks=ev.max_blocks,
+                node_name=lambda node_id: alive.get(node_id, node_id[:12]),
+            )
+        except Exception as exc:
+            raise ConfigError(
+                f"pool {self._config.name!r}: kv_events cannot listen on {pub}"
+                f"{'' if replay is None else ' and ' + replay}: {exc}. Fix: another "
+                "kv_events.port / replay_port (0: any free port), or stop what holds them"
+            ) from exc
+        logger.info("pool %s: KV events on %s (replay %s)", self._config.name, pub, replay)
+        return hub
 
     def _take_back(self, alive: set[str]) -> None:
         """After a restart (Ray restarts the manager when it dies on a live node), or
@@ -280,8 +312,29 @@ class PoolManagerActor:
         self._ensure_reconciler()
         if self._index is not None:
             self._index.record(changes)
+            if self._events is not None:
+                self._events.changed([np.frombuffer(c.digests, dtype="<u8") for c in changes])
         evicted = self._server_metrics.get("master_evicted_key_count")
         return None if evicted is None else int(evicted)
+
+    async def describe_blocks(self, reports: list[Described]) -> None:
+        """A scheduler's saved blocks, described for the pool's KV events."""
+        if self._events is not None:
+            self._events.describe(reports)
+
+    async def kv_events(self) -> dict[str, str | None] | None:
+        """The KV-events sockets, once the publisher runs (None: no ``kv_events``)."""
+        if self._events is None:
+            return None
+        try:
+            await asyncio.to_thread(self._events.publisher.wait_ready, 300)
+        except ImportError as exc:
+            raise ConfigError(
+                f"pool {self._config.name!r}: kv_events publishes with vLLM's own event "
+                f"types, and vLLM does not import where the pool's manager runs ({exc}): "
+                "install vllm there, or remove kv_events"
+            ) from exc
+        return self._events.endpoints()
 
     async def prefix_match(self, space: KeySpace, block_hashes: list[bytes]) -> PrefixMatch:
         if self._index is None:
@@ -323,6 +376,8 @@ class PoolManagerActor:
         )
 
     async def stop(self) -> None:
+        if self._events is not None:
+            await asyncio.to_thread(self._events.close)
         if self._supervisor is not None:
             self._supervisor.stop()
         for task in self._tasks:

@@ -74,6 +74,10 @@ class PoolHandles:
     """The native backend knobs of this process's environment: node actors this process
     makes run with them; ones made with others are reported (:meth:`slot`)."""
 
+    def node_ip(self) -> str:
+        """The address Ray knows this process's node by."""
+        return remote.node_ip()
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.config.world_size:
             raise ValueError(

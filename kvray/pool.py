@@ -486,6 +486,13 @@ class Pool:
         call = self._h.manager.prefix_match(space, list(block_hashes))
         return await call.aresult(self.config.call_timeout_s)
 
+    def kv_events(self, timeout_s: float = 300.0) -> dict[str, str | None] | None:
+        """The pool's KV-events sockets, ``{"endpoint": ..., "replay": ...}``, once its
+        publisher runs (its first start imports vLLM: seconds); None without
+        ``kv_events``. Raises :class:`ConfigError` when vLLM does not import where the
+        manager runs."""
+        return self._h.manager.kv_events().result(timeout_s)
+
     # ---- observability -------------------------------------------------------------------
 
     async def _stats(self) -> PoolStatus:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvray.block_index import IndexSpec
     from kvray.index_stream import IndexChange, IndexUpdate
     from kvray.keys import KeySpace
+    from kvray.kv_events import Described
     from kvray.ledger import Entries
     from kvray.lookup import Answer, Placement
     from kvray.prefix_match import PrefixMatch
@@ -471,6 +472,15 @@ class ManagerHandle(Handle):
         """Leading blocks of ``block_hashes`` the pool holds, per tier and node (from the
         hub's block index: :mod:`kvray.prefix_match`)."""
         return self._call("prefix_match", space, block_hashes)
+
+    def describe_blocks(self, reports: list[Described]) -> Call[None]:
+        """Saved blocks as a scheduler knew them, for the pool's KV events."""
+        return self._call("describe_blocks", reports)
+
+    def kv_events(self) -> Call[dict[str, str | None] | None]:
+        """The KV-events sockets (``endpoint``, ``replay``) once the publisher runs; None
+        when the pool has no ``kv_events``."""
+        return self._call("kv_events")
 
     def index_since(self, epoch: str, seq: int, wait_s: float) -> Call[IndexUpdate | None]:
         """The block-index changes after ``seq`` of ``epoch`` (or a snapshot), once there

@@ -16,6 +16,7 @@ module per concern:
   the ``DS_*`` variables) and the embedded datasystem worker.
 - :mod:`~kvray.config.memcache`: MemCache's client and MetaService ``.conf`` files.
 - :mod:`~kvray.config.ssd`: kvray's SSD tier.
+- :mod:`~kvray.config.kv_events`: the pool's KV-events publisher.
 - :mod:`~kvray.config._common`: the strict base, shared field types, :func:`validate`
   and the file readers.
 
@@ -36,6 +37,7 @@ from kvray.config._common import (
     validate,
 )
 from kvray.config.connector import ConnectorConfig
+from kvray.config.kv_events import KVEventsConfig
 from kvray.config.memcache import (
     HttpUrl,
     LogLevel,
@@ -71,6 +73,7 @@ __all__ = [
     "ByteSize",
     "ConnectorConfig",
     "DatasystemWorkerConfig",
+    "KVEventsConfig",
     "ExtraArgs",
     "GiB",
     "HostPort",

@@ -30,6 +30,7 @@ from kvray.config._common import (
     read_yaml,
     validate,
 )
+from kvray.config.kv_events import KVEventsConfig
 from kvray.config.memcache import MemcacheConfig, MemcacheMetaConfig
 from kvray.config.mooncake import MooncakeConfig, MooncakeMasterConfig
 from kvray.config.ssd import SsdConfig
@@ -38,6 +39,25 @@ from kvray.config.yuanrong import DatasystemWorkerConfig, YuanrongConfig
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 SERVER_HOSTS = ("auto", "node", "loopback")
 """``server_host``'s words (else an IP address)."""
+
+
+def _check_host(field: str, host: str) -> None:
+    """``server_host``'s rule: one of :data:`SERVER_HOSTS` or one IP address."""
+    if host in SERVER_HOSTS:
+        return
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"{field} {host!r}: write auto, node, loopback or an IP address of the "
+            "node the pool's manager runs on"
+        ) from None
+    if ip.is_unspecified:
+        raise ValueError(
+            f"{field} {host!r} would listen on every interface and give clients an "
+            "address nobody can connect to: write node (the address Ray knows the node "
+            "by) or one of the node's IP addresses"
+        )
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,10 @@ class PoolConfig(_Strict):
     datasystem worker always listens on loopback: it serves its own node's shared memory
     (``yuanrong.node_worker_addresses`` gives every node its own worker)."""
 
+    kv_events: KVEventsConfig | None = None
+    """Publish the pool's blocks as vLLM KV events (off: null). Needs ``lookup_index``
+    and vLLM importable where the pool's manager runs. docs/operations.md."""
+
     _tiers: Pipeline = PrivateAttr()
 
     @model_validator(mode="before")
@@ -156,22 +180,14 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _server_host(self) -> PoolConfig:
-        host = self.server_host
-        if host in SERVER_HOSTS:
-            return self
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            raise ValueError(
-                f"server_host {host!r}: write auto, node, loopback or an IP address of the "
-                "node the pool's manager runs on"
-            ) from None
-        if ip.is_unspecified:
-            raise ValueError(
-                f"server_host {host!r} would listen on every interface and give clients an "
-                "address nobody can connect to: write node (the address Ray knows the node "
-                "by) or one of the node's IP addresses"
-            )
+        _check_host("server_host", self.server_host)
+        if self.kv_events is not None:
+            _check_host("kv_events.host", self.kv_events.host)
+            if not self.lookup_index:
+                raise ValueError(
+                    "kv_events publishes what the pool's block index holds: set "
+                    "lookup_index: true (the default), or remove kv_events"
+                )
         return self
 
     @model_validator(mode="after")
@@ -198,10 +214,11 @@ class PoolConfig(_Strict):
         self._tiers = tiers
         return self
 
-    def listen_host(self, node_ip: str, alive_nodes: int) -> str:
+    def listen_host(self, node_ip: str, alive_nodes: int, host: str | None = None) -> str:
         """The address the embedded server listens on and clients are given, on a node
-        Ray knows as ``node_ip`` in a cluster of ``alive_nodes`` nodes (``server_host``)."""
-        host = self.server_host
+        Ray knows as ``node_ip`` in a cluster of ``alive_nodes`` nodes (``server_host``,
+        or ``host`` written by its rule: ``kv_events.host``)."""
+        host = self.server_host if host is None else host
         if host == "auto":
             host = "node" if alive_nodes > 1 else "loopback"
         if host == "loopback":

@@ -45,6 +45,10 @@ class InstanceInfo:
     local_workers: int = 1
     """Engine workers per node (TP x PP x local DP ranks): the clients an embedded pool
     started by this engine needs."""
+    model_name: str = ""
+    """vLLM's served model name (the pool's KV-events topics name it)."""
+    engine_id: str = ""
+    """vLLM's ``kv_transfer_config.engine_id`` (``{instance}`` in KV-events topics)."""
 
     @property
     def can_load(self) -> bool:
@@ -118,6 +122,8 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         local_workers=parallel.tensor_parallel_size
         * parallel.pipeline_parallel_size
         * max(1, parallel.data_parallel_size_local),
+        model_name=_served_name(vllm_config),
+        engine_id=str(transfer.engine_id or ""),
     )
 
 
@@ -140,3 +146,11 @@ def default_namespace(vllm_config: VllmConfig) -> str:
             identity.config,
         )
     return namespace
+
+
+def _served_name(vllm_config: VllmConfig) -> str:
+    """The first name vLLM serves the model as."""
+    name = vllm_config.model_config.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0] if name else ""
+    return str(name or vllm_config.model_config.model)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
+from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT
@@ -106,6 +107,11 @@ class KVRayScheduler:
         """Instance rank -> where its worker loads through (from the workers' handshake;
         None: unknown, lookups ask this node's slot per rank)."""
         self._hashes = HashRegistration(pool.manager, info, self._warn_once)
+        self._describer: BlockDescriber | None = None
+        """The saved blocks' descriptions for the pool's KV events (``kv_events``)."""
+        if pool.config.kv_events is not None:
+            topic = topic_of(pool.config.kv_events, info, pool.config.name, pool.node_ip())
+            self._describer = BlockDescriber(pool.manager, info, topic, self._warn_once)
         self._pd = PDParams(info, self._hashes, self.stats, self._warn_once)
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[BlockOp] = []
@@ -413,7 +419,10 @@ class KVRayScheduler:
                 self._unverified[block_id] = self._step
         saves, self._late_saves = self._late_saves, []
         if self.info.can_save:
-            saves += plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
+            planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
+            saves += planned
+            if self._describer is not None:
+                self._describer.describe(planned, self._reqs, self.info.space)
         self._note_saving(saves)
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
@@ -496,7 +505,10 @@ class KVRayScheduler:
             # its loads did not fail (a failed one is recomputed first), so they are good
             # now; one aborted meanwhile may still sit on a failed load: dropped.
             held = () if _finished_normally(request) else self._unverified
-            self._late_saves += plan_saves({rid: st}, (rid,), self.block_size, held)
+            late = plan_saves({rid: st}, (rid,), self.block_size, held)
+            self._late_saves += late
+            if self._describer is not None:
+                self._describer.describe(late, {rid: st}, self.info.space)
         clock = self._clocks.pop(rid, None)
         if clock is not None and st is not None:
             tl = clock.timeline

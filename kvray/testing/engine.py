@@ -397,6 +397,10 @@ def _engine(spec: dict[str, Any]) -> int:
     kwargs: dict[str, Any] = {"enable_prefix_caching": bool(spec.get("prefix_caching"))}
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("kv_events_config"):  # the engine's own KV events (vLLM's publisher)
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     llm = LLM(
         model=spec["model"],
         enforce_eager=True,

@@ -224,7 +224,7 @@ class FakeLookup(LookupHandle):
 
 
 class FakeManager(ManagerHandle):
-    """The pool's manager: hash fingerprints."""
+    """The pool's manager: hash fingerprints, saved blocks' descriptions (KV events)."""
 
     def __init__(self) -> None:
         super().__init__(None, "FakeManager")
@@ -232,6 +232,12 @@ class FakeManager(ManagerHandle):
         """What ``register_fingerprint`` answers (the pool's other hash domains)."""
         self.registered: list[tuple[str, dict[str, Any]]] = []
         self.fingerprint_calls: list[FakeCall] = []
+        self.described: list[Any] = []
+        """What ``describe_blocks`` was sent, in order."""
+
+    def describe_blocks(self, reports: list[Any]) -> FakeCall:  # type: ignore[override]
+        self.described.extend(reports)
+        return FakeCall("describe_blocks", None)
 
     def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> FakeCall:  # type: ignore[override]
         self.registered.append((keys, fp))
@@ -250,6 +256,9 @@ class FakePool:
         self.manager = FakeManager()
         self.stores: dict[int, FakeStore] = {}
         self._lookup = FakeLookup()
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
 
     def client(self, slot: int) -> FakeStore:
         return self.stores.setdefault(slot, FakeStore(f"FakeStore[{slot}]"))

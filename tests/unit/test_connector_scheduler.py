@@ -23,7 +23,7 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvray.config import ConnectorConfig, validate  # noqa: E402
+from kvray.config import ConnectorConfig, PoolConfig, validate  # noqa: E402
 from kvray.connector.fingerprint import current as current_fingerprint  # noqa: E402
 from kvray.connector.instance import InstanceInfo  # noqa: E402
 from kvray.connector.metadata import BlockOp  # noqa: E402
@@ -48,11 +48,16 @@ def none_hash(monkeypatch):  # type: ignore[no-untyped-def]
 class Sched:
     """A scheduler side on a fake pool, and the vLLM calls a step makes."""
 
-    def __init__(self, tp_size: int = 1, index: Any = None, **extra: Any) -> None:
-        """``index``: the node's block index the Lookup actor offers (a BlockIndex)."""
+    def __init__(
+        self, tp_size: int = 1, index: Any = None, pool: dict[str, Any] | None = None, **extra: Any
+    ) -> None:
+        """``index``: the node's block index the Lookup actor offers (a BlockIndex);
+        ``pool``: the pool's config."""
         cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
-        self.info = InstanceInfo(cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both")
-        self.pool = FakePool()
+        self.info = InstanceInfo(
+            cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both", model_name="tiny"
+        )
+        self.pool = FakePool(PoolConfig.from_dict(pool, environ={}) if pool else None)
         self.lookup = self.pool.lookup()
         self.lookup.index = index.spec if index is not None else None
         self.waits = FakeWaits()
@@ -247,6 +252,30 @@ def test_a_request_finished_in_its_load_step_saves_after_it_unless_aborted(abort
     else:
         assert delay is True and late.delayed_frees == ["r1"]
         assert [(op.req_id, op.block_ids) for op in late.saves] == [("r1", (12, 13))]
+
+
+def test_saved_blocks_are_described_for_the_pools_kv_events():
+    """With ``kv_events`` on the pool, a step's saves go to the manager described as
+    vLLM's own BlockStored describes them: hashes, parents, token ids, on the engine's
+    topic; a held save is described when it is planned."""
+    from vllm.v1.request import RequestStatus
+
+    s = Sched(pool={"name": "ev", "kv_events": {}})
+    req, meta = load_then_compute(s)  # blocks 2..3 computed over a load: held
+    assert s.pool.manager.described == []
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    s.sched.request_finished(req, [10, 11, 12, 13, 14])
+    (d,) = s.pool.manager.described
+    hashes = [hash_bytes(h) for h in req.block_hashes]
+    assert d.topic == "kv@127.0.0.1@tiny" and d.block_size == BS and d.space == s.info.space
+    assert [b.block_hash for b in d.blocks] == hashes[2:4]
+    assert [b.parent for b in d.blocks] == hashes[1:3]
+    assert [b.token_ids for b in d.blocks] == [tuple(range(1032, 1048)), tuple(range(1048, 1064))]
+    assert [b.extra_keys for b in d.blocks] == [None, None]
+
+    plain = Sched()  # no kv_events: nothing described
+    load_then_compute(plain)
+    assert plain.pool.manager.described == []
 
 
 def test_async_loads_are_planned_as_such():

@@ -1,0 +1,125 @@
+"""Scheduler side of the pool's KV events (issue 30, :mod:`kvray.kv_events`): the blocks
+a step saves, described as vLLM's own ``BlockStored`` would describe them (block hash,
+parent hash, token ids, extra keys such as the cache salt), sent to the pool's manager
+with one call per step that saves, never waited for. The manager announces a block only
+once its index holds every column of it, so a described block that fails to store is
+never published.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvray.errors import KVRayError
+from kvray.kv_events import BlockInfo, Described
+
+if TYPE_CHECKING:
+    from kvray.config import KVEventsConfig
+    from kvray.connector.instance import InstanceInfo
+    from kvray.connector.metadata import BlockOp
+    from kvray.connector.request_state import RequestState
+    from kvray.keys import KeySpace
+    from kvray.remote import Call, ManagerHandle
+
+logger = logging.getLogger(__name__)
+
+
+def topic_of(config: KVEventsConfig, info: InstanceInfo, pool: str, host: str) -> str:
+    """This engine's topic: ``kv_events.topic`` with its fields filled in."""
+    return config.topic.format(
+        host=host,
+        model=info.model_name,
+        instance=info.engine_id,
+        pool=pool,
+        namespace=info.space.namespace,
+    )
+
+
+class BlockDescriber:
+    """Describes a step's saved blocks to the pool's manager."""
+
+    def __init__(
+        self, manager: ManagerHandle, info: InstanceInfo, topic: str, warn: Callable[..., None]
+    ) -> None:
+        self._manager = manager
+        self._info = info
+        self.topic = topic
+        self._warn = warn
+        self._call: Call[None] | None = None
+        self.described = 0
+        """Blocks described since start."""
+
+    def describe(
+        self, ops: Sequence[BlockOp], reqs: Mapping[str, RequestState], space: KeySpace
+    ) -> None:
+        """The blocks of ``ops`` (their requests in ``reqs``) of ``space`` (the
+        scheduler's, once its workers' geometries are known), in one call."""
+        if not space.complete:
+            return
+        blocks: list[BlockInfo] = []
+        for op in ops:
+            st = reqs.get(op.req_id)
+            if st is not None:
+                blocks += self._blocks(op, st.request)
+        if not blocks:
+            return
+        self._check()
+        report = Described(space, self.topic, self._info.block_size, tuple(blocks))
+        self._call = self._manager.describe_blocks([report])
+        self.described += len(blocks)
+
+    def _check(self) -> None:
+        """The previous report's outcome, once it is known (a failure is logged once)."""
+        call = self._call
+        if call is None or not call.done():
+            return
+        self._call = None
+        try:
+            call.result(None)
+        except KVRayError as exc:
+            self._warn("kv-events", "kvray: describing saved blocks for KV events failed: %s", exc)
+
+    def _blocks(self, op: BlockOp, request: Any) -> list[BlockInfo]:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+
+        from kvray.connector.request_state import hash_bytes
+
+        hashes = request.block_hashes
+        first = _position(hashes, op.block_hashes[0])
+        if first is None:  # (not this request's blocks any more: nothing to say)
+            return []
+        size = self._info.block_size
+        tokens = request.all_token_ids
+        lora = request.lora_request
+        out: list[BlockInfo] = []
+        mm_idx = 0
+        for i in range(first, first + len(op.block_hashes)):
+            start, end = i * size, (i + 1) * size
+            extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            (event_extra,) = to_event_extra_keys([extra]) or [None]
+            out.append(
+                BlockInfo(
+                    hash_bytes(hashes[i]),
+                    hash_bytes(hashes[i - 1]) if i else None,
+                    tuple(tokens[start:end]),
+                    event_extra,
+                    lora.lora_name if lora else None,
+                )
+            )
+        return out
+
+
+def _position(hashes: Sequence[Any], first: bytes) -> int | None:
+    """The index of block hash ``first`` among a request's ``hashes`` (searched from
+    the end: saves are of the newest blocks)."""
+    from kvray.connector.request_state import hash_bytes
+
+    for i in range(len(hashes) - 1, -1, -1):
+        if hash_bytes(hashes[i]) == first:
+            return i
+    return None

@@ -1,0 +1,121 @@
+"""The pool's KV events on a real pool (real Ray, a real mooncake_master and clients,
+``kv_events`` on): blocks described as a scheduler describes them are published stored
+once every rank's column is in the pool, and removed when kvray removes one or the
+backend loses one (another client removes it behind kvray's back, as an eviction
+would); a subscriber built from vLLM's types holds, after quiescence plus 2 s, exactly
+the described blocks ``exists()`` shows whole; one that starts late rebuilds the same
+set from a replay; and a pool without vLLM's index or with a taken port says so."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from kvray import Pool
+from kvray.errors import ConfigError
+from kvray.keys import KeySpace, KVLayout, chain_block_hashes
+from kvray.kv_events import BlockInfo, Described
+
+from .conftest import small_config
+
+pytestmark = pytest.mark.integration
+kv = pytest.importorskip("tests.kv_subscriber")
+LAYOUT = KVLayout("float16", 16, 2, 64).tag()
+TOPIC = "kv@127.0.0.1@int"
+
+
+def _whole(pool: Pool, space: KeySpace, hashes: list[bytes]) -> set:  # type: ignore[type-arg]
+    """The blocks of ``hashes`` every column of which ``exists()`` (vLLM's hash form)."""
+    present = [pool.exists(space.rank_key_strs(hashes, r), rank=r) for r in range(space.world_size)]
+    return {kv.ext(h) for i, h in enumerate(hashes) if all(p[i] for p in present)}
+
+
+def _settle(sub, pool: str, want: set, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """Until the subscriber's DRAM blocks (ownership ``pool``) are ``want``."""
+    deadline = time.monotonic() + timeout_s
+    while (held := sub.blocks.get(("CPU", pool), set())) != want:
+        assert time.monotonic() < deadline, f"the subscriber holds {held}, not {want}"
+        sub.drain(0.2)
+
+
+def test_events_match_the_pool_through_stores_removes_and_a_lost_block(
+    ray_cluster, mooncake_master
+):
+    from kvray.backends import make_backend
+
+    cfg = small_config(
+        mooncake_master.address,
+        lookup_index=True,
+        kv_events={"host": "loopback", "port": 0, "replay_port": 0},
+    )
+    space = KeySpace(cfg.name, LAYOUT, tp_size=2)
+    tokens = list(range(16 * 5))
+    hashes = chain_block_hashes(tokens, 16)
+    infos = tuple(
+        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
+        for i, h in enumerate(hashes)
+    )
+    block = np.arange(4096, dtype=np.uint8)
+    with Pool.start(cfg) as pool:
+        ends = pool.kv_events()
+        assert ends is not None
+        sub = kv.Subscriber(ends["endpoint"], ends["replay"], TOPIC)
+        try:
+            time.sleep(0.3)  # (a PUB drops what it sends before a subscription reaches it)
+            pool._h.manager.describe_blocks([Described(space, TOPIC, 16, infos)]).result(30)
+            pool.put(space.rank_key_strs(hashes, 0), [block] * 5, rank=0)
+            pool.put(space.rank_key_strs(hashes[:4], 1), [block] * 4, rank=1)
+            _settle(sub, cfg.name, {kv.ext(h) for h in hashes[:4]})  # rank 1 lacks the 5th
+
+            stored = [e for e in sub.events if isinstance(e, kv.vk.BlockStored)]
+            assert stored[0].token_ids[:16] == tokens[:16]
+            assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+            assert {e.medium for e in stored} == {"CPU"} and {e.ownership for e in stored} == {
+                cfg.name
+            }
+
+            pool.remove(space.rank_key_strs(hashes[1:2], 1), rank=1, force=True)
+
+            async def lose() -> None:  # another client removes a key: as an eviction would
+                raw = make_backend(cfg, pool.server_address, contribute_memory=False)
+                try:
+                    await raw.remove(space.rank_key_strs(hashes[2:3], 0), force=True)
+                finally:
+                    await raw.close()
+
+            asyncio.run(lose())
+            _settle(sub, cfg.name, {kv.ext(h) for h in (hashes[0], hashes[3])})
+            time.sleep(2)  # quiescence plus 2 s: what the subscriber holds is the pool's
+            sub.drain(0.5)
+            assert sub.blocks[("CPU", cfg.name)] == _whole(pool, space, hashes)
+
+            late = kv.Subscriber(ends["endpoint"], ends["replay"], TOPIC)
+            try:
+                for _, _, batch in late.replay(0):
+                    late.apply(batch)
+                assert late.blocks[("CPU", cfg.name)] == _whole(pool, space, hashes)
+            finally:
+                late.close()
+        finally:
+            sub.close()
+        pool.shutdown()
+
+
+def test_kv_events_need_the_index_and_a_free_port(ray_cluster, mooncake_master):
+    with pytest.raises(ConfigError, match="lookup_index: true"):
+        small_config(mooncake_master.address, lookup_index=False, kv_events={})
+    free = {"port": 0, "replay_port": 0}
+    cfg = small_config(mooncake_master.address, lookup_index=True, kv_events=free)
+    with Pool.start(cfg) as pool:
+        taken = pool.kv_events()
+        assert taken is not None
+        port = int(taken["endpoint"].rsplit(":", 1)[1])
+        clash = small_config(
+            mooncake_master.address, lookup_index=True, kv_events={**free, "port": port}
+        )
+        with pytest.raises(Exception, match=f"kv_events cannot listen on tcp://127.0.0.1:{port}"):
+            Pool.start(clash)
+        pool.shutdown()

@@ -31,11 +31,11 @@ class Subscriber:
         given a ``tcp://<host>:<port>`` endpoint, connects)."""
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)  # (before a publisher attaches)
         if bind:
             self.sub.bind(endpoint)
         else:
             self.sub.connect(endpoint)
-        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay
         self.decode = msgspec.msgpack.Decoder(type=vk.KVEventBatch).decode
         self.blocks: dict[tuple[str | None, str | None], set[Any]] = {}

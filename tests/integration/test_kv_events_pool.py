@@ -119,3 +119,77 @@ def test_kv_events_need_the_index_and_a_free_port(ray_cluster, mooncake_master):
         with pytest.raises(Exception, match=f"kv_events cannot listen on tcp://127.0.0.1:{port}"):
             Pool.start(clash)
         pool.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_events_follow_the_masters_own_evictions(ray_cluster):
+    """A pool whose DRAM tier (32 MB) is filled past its eviction watermark by blocks no
+    scheduler described: the master evicts described ones; the clients learn it from its
+    eviction counter and reconcile, and the subscriber ends with exactly what exists()."""
+    from kvray.config import PoolConfig
+    from kvray.errors import PoolFullError
+
+    cfg = PoolConfig.from_dict(
+        {
+            "name": "evev",
+            "namespace": "kvray-test",
+            "world_size": 1,
+            "detached": False,
+            "cpus_per_rank": 0.2,
+            "mooncake": {"global_segment_size": "32MB", "local_buffer_size": "16MB"},
+            "master": {"eviction_high_watermark_ratio": 0.7, "eviction_ratio": 0.5},
+            "kv_events": {"host": "loopback", "port": 0, "replay_port": 0},
+        },
+        environ={},
+    )
+    space = KeySpace("evev", LAYOUT)
+    tokens = list(range(16 * 8))
+    hashes = chain_block_hashes(tokens, 16)
+    infos = tuple(
+        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
+        for i, h in enumerate(hashes)
+    )
+    value = np.ones(1 << 20, dtype=np.uint8)
+    with Pool.start(cfg) as pool:
+        ends = pool.kv_events()
+        assert ends is not None
+        sub = kv.Subscriber(ends["endpoint"], ends["replay"], TOPIC)
+        try:
+            time.sleep(0.3)
+            pool._h.manager.describe_blocks([Described(space, TOPIC, 16, infos)]).result(30)
+            pool.put(space.rank_key_strs(hashes, 0), [value] * len(hashes))
+            _settle(sub, cfg.name, {kv.ext(h) for h in hashes})
+
+            filler = 0
+
+            def put_other() -> None:  # a block of another key space: never described
+                nonlocal filler
+                for _ in range(50):
+                    try:
+                        pool.put(f"evev-filler-{filler}", value)
+                        break
+                    except PoolFullError:
+                        time.sleep(0.1)  # the master evicts to make room
+                filler += 1
+
+            for _ in range(48):  # 48 MB more through a 32 MB tier
+                put_other()
+            deadline = time.monotonic() + 90
+            while True:
+                held = _whole(pool, space, hashes)
+                sub.drain(0.3)
+                if sub.blocks.get(("CPU", cfg.name), set()) == held and len(held) < len(hashes):
+                    break
+                assert time.monotonic() < deadline, (
+                    f"events show {len(sub.blocks.get(('CPU', cfg.name), ()))} blocks, "
+                    f"exists() {len(held)} of {len(hashes)}"
+                )
+                put_other()  # the pool's traffic carries the master's eviction counter
+            time.sleep(2)  # quiescence plus 2 s
+            sub.drain(0.5)
+            assert sub.blocks[("CPU", cfg.name)] == _whole(pool, space, hashes)
+            removed = [e for e in sub.events if isinstance(e, kv.vk.BlockRemoved)]
+            assert removed, "the evictions were not published"
+        finally:
+            sub.close()
+        pool.shutdown()

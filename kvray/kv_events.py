@@ -200,19 +200,16 @@ class BlockCatalog:
 
     def snapshot(self, topic: str) -> list[Event]:
         """``cleared``, then every block announced on ``topic``, by medium and owner."""
-        out = [Event("cleared")]
+        return snapshot_events(*self.announced(topic))
+
+    def announced(self, topic: str) -> tuple[int, list[tuple[BlockInfo, dict[str, str | None]]]]:
+        """``(block size, [(block, its media)])`` of ``topic``'s blocks, oldest first: what
+        a snapshot is made of, taken under the lock (the media dicts are replaced, never
+        changed, so they may be read after it)."""
         sp = self._topics.get(topic)
         if sp is None:
-            return out
-        groups: dict[tuple[str, str | None], list[BlockInfo]] = {}
-        for block in sp.blocks.values():
-            for medium, owner in block.media.items():
-                groups.setdefault((medium, owner), []).append(block.info)
-        for (medium, owner), infos in groups.items():
-            for lo in range(0, len(infos), SNAPSHOT_BATCH):
-                chunk = tuple(infos[lo : lo + SNAPSHOT_BATCH])
-                out.append(Event("stored", medium, owner, sp.block_size, chunk))
-        return out
+            return 0, []
+        return sp.block_size, [(b.info, b.media) for b in sp.blocks.values() if b.media]
 
     def _evaluate(self, blocks: Sequence[_Block]) -> list[tuple[str, Event]]:
         """Compare each block's media in the index with what was announced."""
@@ -268,6 +265,22 @@ class BlockCatalog:
         return out
 
 
+def snapshot_events(
+    block_size: int, rows: Sequence[tuple[BlockInfo, dict[str, str | None]]]
+) -> list[Event]:
+    """``cleared``, then ``rows``' blocks as ``stored`` events by medium and owner."""
+    out = [Event("cleared")]
+    groups: dict[tuple[str, str | None], list[BlockInfo]] = {}
+    for info, media in rows:
+        for medium, owner in media.items():
+            groups.setdefault((medium, owner), []).append(info)
+    for (medium, owner), infos in groups.items():
+        for lo in range(0, len(infos), SNAPSHOT_BATCH):
+            chunk = tuple(infos[lo : lo + SNAPSHOT_BATCH])
+            out.append(Event("stored", medium, owner, block_size, chunk))
+    return out
+
+
 class KVEventsHub:
     """The manager's side: the catalog, the publisher, and the lock between the manager's
     loop (descriptions, index changes) and the publisher's thread (snapshots)."""
@@ -295,8 +308,9 @@ class KVEventsHub:
         )
 
     def _snapshot(self, topic: str) -> list[Event]:
-        with self._lock:
-            return self.catalog.snapshot(topic)
+        with self._lock:  # (the manager's loop waits while this holds it: keep it short)
+            announced = self.catalog.announced(topic)
+        return snapshot_events(*announced)
 
     def describe(self, reports: Sequence[Described]) -> None:
         """A scheduler's step of saved blocks (announced once the index has them whole)."""

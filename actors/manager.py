@@ -85,7 +85,7 @@ class PoolManagerActor:
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
         self._nodes_at_start = nodes_at_start
-        self._events = self._start_events(alive) if self._index is not None else None
+        self._events = self._start_events(alive)
         if take_back or remote.restarted():
             self._take_back(set(alive))
 

@@ -345,10 +345,9 @@ class KVEventsHub:
 
 
 class _Topic:
-    __slots__ = ("name", "seq", "buffer")
+    __slots__ = ("seq", "buffer")
 
-    def __init__(self, name: str, buffer: int) -> None:
-        self.name = name
+    def __init__(self, buffer: int) -> None:
         self.seq = itertools.count()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
 
@@ -368,7 +367,6 @@ class KVEventsPublisher:
         *,
         buffer: int = 10_000,
         hwm: int = 100_000,
-        data_parallel_rank: int | None = None,
     ) -> None:
         import zmq
 
@@ -387,7 +385,6 @@ class KVEventsPublisher:
             raise
         self._snapshot = snapshot
         self._buffer = buffer
-        self._dp_rank = data_parallel_rank
         self._queue: queue.Queue[tuple[str, list[Event]] | None] = queue.Queue()
         self._topics: dict[str, _Topic] = {}
         self._ready = threading.Event()
@@ -466,7 +463,7 @@ class KVEventsPublisher:
     def _topic(self, name: str) -> tuple[_Topic, bool]:
         t = self._topics.get(name)
         if t is None:
-            t = self._topics[name] = _Topic(name, self._buffer)
+            t = self._topics[name] = _Topic(self._buffer)
             return t, True
         return t, False
 
@@ -498,9 +495,7 @@ class KVEventsPublisher:
                 )
             else:
                 out += _stored(vk, self._external, ev)
-        return self._encode(
-            vk.KVEventBatch(ts=time.time(), events=out, data_parallel_rank=self._dp_rank)
-        )
+        return self._encode(vk.KVEventBatch(ts=time.time(), events=out))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

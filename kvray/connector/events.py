@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvray.errors import KVRayError
 from kvray.kv_events import BlockInfo, Described
@@ -54,15 +54,16 @@ class BlockDescriber:
     def describe(
         self, ops: Sequence[BlockOp], reqs: Mapping[str, RequestState], space: KeySpace
     ) -> None:
-        """The blocks of ``ops`` (their requests in ``reqs``) of ``space`` (the
-        scheduler's, once its workers' geometries are known), in one call."""
+        """The blocks of ``ops``, just planned by ``plan_saves`` (their requests in
+        ``reqs``), of ``space`` (the scheduler's, once its workers' geometries are
+        known), in one call."""
         if not space.complete:
             return
         blocks: list[BlockInfo] = []
         for op in ops:
             st = reqs.get(op.req_id)
             if st is not None:
-                blocks += self._blocks(op, st.request)
+                blocks += self._blocks(op, st)
         if not blocks:
             return
         self._check()
@@ -81,7 +82,8 @@ class BlockDescriber:
         except KVRayError as exc:
             self._warn("kv-events", "kvray: describing saved blocks for KV events failed: %s", exc)
 
-    def _blocks(self, op: BlockOp, request: Any) -> list[BlockInfo]:
+    def _blocks(self, op: BlockOp, st: RequestState) -> list[BlockInfo]:
+        """``op``'s blocks, planned just now: they end at the request's ``next_save``."""
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             to_event_extra_keys,
@@ -89,37 +91,29 @@ class BlockDescriber:
 
         from kvray.connector.request_state import hash_bytes
 
+        request = st.request
+        first = st.next_save - len(op.block_hashes)
         hashes = request.block_hashes
-        first = _position(hashes, op.block_hashes[0])
-        if first is None:  # (not this request's blocks any more: nothing to say)
-            return []
+        if first < 0 or hash_bytes(hashes[first]) != op.block_hashes[0]:
+            return []  # (not where plan_saves left them: nothing to say)
         size = self._info.block_size
         tokens = request.all_token_ids
         lora = request.lora_request
+        parent = hash_bytes(hashes[first - 1]) if first else None
         out: list[BlockInfo] = []
         mm_idx = 0
-        for i in range(first, first + len(op.block_hashes)):
+        for i, block_hash in enumerate(op.block_hashes, first):
             start, end = i * size, (i + 1) * size
             extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             (event_extra,) = to_event_extra_keys([extra]) or [None]
             out.append(
                 BlockInfo(
-                    hash_bytes(hashes[i]),
-                    hash_bytes(hashes[i - 1]) if i else None,
+                    block_hash,
+                    parent,
                     tuple(tokens[start:end]),
                     event_extra,
                     lora.lora_name if lora else None,
                 )
             )
+            parent = block_hash
         return out
-
-
-def _position(hashes: Sequence[Any], first: bytes) -> int | None:
-    """The index of block hash ``first`` among a request's ``hashes`` (searched from
-    the end: saves are of the newest blocks)."""
-    from kvray.connector.request_state import hash_bytes
-
-    for i in range(len(hashes) - 1, -1, -1):
-        if hash_bytes(hashes[i]) == first:
-            return i
-    return None

@@ -118,11 +118,17 @@ def local_conf_path() -> str:
     return path
 
 
+def local_confs() -> list[Path]:
+    """This node's per-process ``mmc-local-<pid>.conf`` files (each lives through one
+    client's init)."""
+    return list(Path(tempfile.gettempdir(), "kvray").glob("mmc-local-*.conf"))
+
+
 def remove_stale_local_confs() -> list[str]:
     """Unlink the per-process ``mmc-local-<pid>.conf`` files of processes that are gone
-    (actors killed without closing their client)."""
+    (killed in their client's init)."""
     removed = []
-    for path in Path(tempfile.gettempdir(), "kvray").glob("mmc-local-*.conf"):
+    for path in local_confs():
         pid = path.stem.rsplit("-", 1)[-1]
         if not pid.isdigit() or not process_gone(int(pid)):
             continue
@@ -182,13 +188,11 @@ class MemcacheBackend(Backend):
             started = time.monotonic()
             store = store_factory()
             rc = store.init(config.device_id, init_bm=contribute_memory)
-        except BaseException:
+        finally:
+            # The conf is read at init only, so it lives only as long as the init: a
+            # process killed later (an actor Ray kills) cannot leave it behind.
             self._drop_conf()
-            raise
         if rc != 0:
-            # The conf is read at init only; a process whose client failed (an actor that
-            # Ray then kills) must not leave it behind.
-            self._drop_conf()
             self._reset_after_failed_init(store)
             hint = (
                 "a client that contributes memory needs the Ascend driver (MemCache's data "
@@ -386,4 +390,3 @@ class MemcacheBackend(Backend):
     async def close(self) -> None:
         if not self._call.closed:
             await self._call.close(self._store.close)
-            self._drop_conf()  # read at init only

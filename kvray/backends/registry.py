@@ -291,12 +291,18 @@ class Memcache(BackendSpec):
         device = as_backend(config, MemcachePoolConfig).memcache.region == "device"
         return DeviceSetting("memcache.region", "device", "host") if device else None
 
-    def node_cleanup(self) -> None:
-        # Killed clients leave their conf files; give the processes a moment to exit.
-        from kvray.backends.memcache import remove_stale_local_confs
+    def node_cleanup(self, wait_s: float = 5.0) -> None:
+        # A client's conf lives only through its init, so one is left only by a process
+        # killed mid-init (an actor restarted as the pool is torn down): sweep until those
+        # processes have exited, however long the kill takes on a loaded node.
+        from kvray.backends.memcache import local_confs, remove_stale_local_confs
 
-        time.sleep(1)
-        remove_stale_local_confs()
+        deadline = time.monotonic() + wait_s
+        while True:
+            remove_stale_local_confs()
+            if not local_confs() or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
 
 SPECS: Mapping[str, BackendSpec] = MappingProxyType(

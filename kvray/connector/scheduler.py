@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 SAVING_KEPT = 1024
 """Steps whose saves in flight a scheduler remembers (lookups wait for them)."""
+SAVED_KEPT = 1 << 16
+"""Blocks whose ended saves a scheduler remembers for a lookup timeout (about 100 bytes
+each)."""
 
 
 def _ended_in_error(request: Request) -> bool:
@@ -125,10 +128,14 @@ class KVRayScheduler:
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
         self._saving: dict[bytes, int] = {}
-        self._saving_steps: deque[tuple[int, tuple[bytes, ...]]] = deque()
-        """The same, by step (oldest first), to forget them in the order they end."""
         """Block hash -> the step that asked for its save, until every rank's saves of that
         step ended (``StepTimes.saved_through``)."""
+        self._saving_steps: deque[tuple[int, tuple[bytes, ...]]] = deque()
+        """The same, by step (oldest first), to forget them in the order they end."""
+        self._saved_at: dict[bytes, float] = {}
+        """Block hash -> when its save ended, for a lookup timeout after: the node's index
+        shows a store as the store returns, but one whose report to the node's index
+        keeper failed reaches it through the pool's stream, a little later."""
         self._save_waits: dict[str, tuple[float, int]] = {}
         """Request -> since when its lookup waits for this instance's own save of the block
         it missed at, and ``_saves_ended`` when its latest lookup started."""
@@ -333,12 +340,16 @@ class KVRayScheduler:
         about to be a hit."""
         rid, hashes = request.request_id, request.block_hashes
         waiting = self._save_waits.get(rid)
-        saving = block < len(hashes) and hash_bytes(hashes[block]) in self._saving
+        now = time.monotonic()
+        digest = hash_bytes(hashes[block]) if block < len(hashes) else None
+        ended = self._saved_at.get(digest) if digest is not None else None
+        saving = digest in self._saving or (
+            ended is not None and now - ended < self._lookups.timeout_s
+        )
         # Ended, and this lookup started after it did (else its answer may predate it).
         if not saving and (waiting is None or waiting[1] == self._saves_ended):
             self._save_waits.pop(rid, None)
             return False
-        now = time.monotonic()
         since = waiting[0] if waiting is not None else now
         if now - since > self._lookups.timeout_s:
             self._save_waits.pop(rid, None)
@@ -359,12 +370,20 @@ class KVRayScheduler:
     def _saves_ended_through(self, step: int) -> None:
         """Every rank's saves of ``step`` and before ended: their blocks are no longer in
         flight."""
-        steps = self._saving_steps
+        steps, now = self._saving_steps, time.monotonic()
+        saved_at = self._saved_at
+        while saved_at:  # oldest first: forget those ended a lookup timeout ago
+            first = next(iter(saved_at))
+            if now - saved_at[first] < self._lookups.timeout_s and len(saved_at) < SAVED_KEPT:
+                break
+            del saved_at[first]
         while steps and steps[0][0] <= step:
             at, hashes = steps.popleft()
             for h in hashes:
                 if self._saving.get(h) == at:  # not saved again since
                     del self._saving[h]
+                    saved_at.pop(h, None)
+                    saved_at[h] = now
         self._saves_ended += 1
 
     def _wait_a_step(self, request: Request) -> tuple[None, bool]:

@@ -70,8 +70,8 @@ def test_pool_without_the_ascend_driver_is_refused_cleanly(ray_cluster):
         ray.get_actor(manager_name(cfg.name), namespace=cfg.namespace)
     assert pool_actor_names(cfg) == []
     assert glob.glob("/tmp/kvray/mmc-mmcpool-*") == []
-    # no client conf of a dead actor process is left either
-
+    # no client conf of a dead actor process is left either (a conf lives only through
+    # its client's init; the teardown sweeps those of processes killed in one)
     for path in glob.glob("/tmp/kvray/mmc-local-*.conf"):
         pid = int(path.rsplit("-", 1)[1].removesuffix(".conf"))
         assert psutil.pid_exists(pid), f"{path} outlived its process"

@@ -222,6 +222,39 @@ def test_a_lookup_that_missed_at_a_save_in_flight_asks_again_once_it_ended():
     assert s.stat("lookup_save_waits") >= 3  # at least once per matched() before the end
 
 
+def test_a_save_that_ended_but_is_not_in_the_index_yet_is_waited_for():
+    """The save ended, but the node's index got it through the pool's stream, a little
+    later (its keeper did not take the store's own report): the lookup asks again until it
+    hits, for at most the lookup timeout after the save ended."""
+    s = Sched()
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    s.sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=meta.step))
+    )
+    again = s.request("r2", 70)  # after the save ended; the pool does not show it yet
+    assert matched(s, again) == (None, False)
+    s.lookup.answer = answered(4)
+    assert matched(s, again) == (64, False)
+
+
+def test_a_save_ended_longer_than_the_lookup_timeout_ago_is_not_waited_for():
+    s = Sched(lookup_timeout_ms=50)
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    s.sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=meta.step))
+    )
+    time.sleep(0.06)  # evicted since, say: a miss, computed at once
+    assert matched(s, s.request("r2", 70)) == (0, False)
+
+
 def test_a_save_that_never_ends_is_waited_for_at_most_the_lookup_timeout():
     s = Sched(lookup_timeout_ms=50)
     s.lookup.answer = answered(0)

@@ -75,3 +75,32 @@ async def test_full_pool_and_overwrite(cluster):
     out = np.zeros_like(other)
     assert await data.get(["x"], [[out.ctypes.data]], [[out.nbytes]]) == [KeyStatus.OK]
     assert (out == 7).all()
+
+
+async def test_a_client_conf_lives_only_through_its_init(cluster):
+    """MemCache reads MMC_LOCAL_CONFIG_PATH at init only: the file is there for the init,
+    with the typed config in it, and gone after it, so a killed actor leaves none."""
+    from pathlib import Path
+
+    from kvray.backends.memcache import local_conf_path
+
+    make = cluster.store_factory()
+    seen = []
+
+    def recording():
+        store = make()
+        init = store.init
+
+        def init_reading_the_conf(device_id, init_bm=True):
+            seen.append(Path(local_conf_path()).read_text())
+            return init(device_id, init_bm)
+
+        store.init = init_reading_the_conf
+        return store
+
+    backend = MemcacheBackend(MemcacheConfig(**URLS), store_factory=recording)
+    try:
+        assert len(seen) == 1 and "tcp://127.0.0.1:1" in seen[0]
+        assert not Path(local_conf_path()).exists(), "the conf outlived the init"
+    finally:
+        await backend.close()

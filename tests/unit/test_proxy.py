@@ -171,3 +171,67 @@ def test_cli_pairs_hosts_and_ports():
     ]
     with pytest.raises(ValueError, match="--decoder-hosts has 2 entries but --decoder-ports has 3"):
         instances(["a", "b"], [1, 2, 3], "decoder")
+
+
+async def test_mixed_serving_with_the_prefix_policy_sends_a_prefix_where_it_is_cached():
+    """Each request to one instance, passed through; the router (its views filled as the
+    instances' events would) sends a prompt to the instance whose cache holds it, text
+    prompts tokenized by an instance's /tokenize."""
+    from kvray.router import CacheView
+
+    log: list = []
+    apps = {n: fake_openai(n, log) for n in ("i0", "i1")}
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        log.append(("tokenize", request.path, body))
+        return web.json_response({"tokens": [ord(c) for c in body["prompt"]]})
+
+    apps["i0"].router.add_post("/tokenize", tokenize)
+    apps["i1"].router.add_post("/tokenize", tokenize)
+    servers = {n: await started(a) for n, a in apps.items()}
+    args = parse_args(["--instance-ports", str(servers["i0"].port), str(servers["i1"].port),
+                       "--policy", "prefix", "--kv-events-bind", "tcp://127.0.0.1:1",
+                       "--kv-topics", "kv@i0@m", "kv@i1@m"])  # fmt: skip
+    proxy = build(args)
+    assert proxy.decode is None and proxy.feeds is not None
+    proxy.feeds = None  # the views are filled here, not from sockets
+    router = proxy.prefill.router
+    assert router is not None
+    text = "abcdefgh"  # two blocks of 4
+    view = proxy.prefill.instances[1].view
+    assert isinstance(view, CacheView)
+    view.stored([1, 2], None, [ord(c) for c in text], 4, None, ("GPU", None))
+    client = TestClient(TestServer(proxy.app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        for prompt in ([ord(c) for c in text] + [1], text + "!"):
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+            assert r.status == 200 and (await r.json())["by"] == "i1"
+        assert sum(1 for e in log if e[0] == "tokenize") == 1  # only the text prompt
+        health = await (await client.get("/health")).json()
+        assert health["instance_router"]["routed_to_cache"] == 2
+        assert health["instance_router"]["blocks"] == [0, 2]
+    finally:
+        await client.close()
+        for s in servers.values():
+            await s.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--instance-ports", "1", "2", "--policy", "prefix"], "give --kv-events-bind"),
+        (["--instance-ports", "1", "2", "--policy", "prefix", "--kv-events-bind", "tcp://x:1",
+          "--kv-topics", "a"], "--kv-topics has 1 entries for 2 --instance-ports"),  # fmt: skip
+        (["--instance-ports", "1", "2", "--policy", "prefix", "--kv-events-bind", "tcp://x:1",
+          "--kv-topics", "a", "a"], "a topic of its own"),  # fmt: skip
+        (["--instance-ports", "1", "--prefiller-ports", "2"], "not both"),
+        (["--prefiller-ports", "2"], "give --instance-ports"),
+        (["--instance-ports", "1", "--policy", "prefix", "--pool-kv-events", "tcp://x:1",
+          "--max-imbalance", "-1"], "--max-imbalance/--load-cost: max_imbalance -1"),  # fmt: skip
+    ],
+)
+def test_bad_routing_flags_name_the_flag_and_the_fix(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        build(parse_args(argv))

@@ -128,14 +128,10 @@ class EventFeeds:
                 sub.bind(self._bind)
                 sockets[sub] = Stream("engines", self._engines.get)
             if self._pool is not None and self._pool_endpoint is not None:
-                pool = self._pool
                 sub = ctx.socket(zmq.SUB)
                 sub.setsockopt_string(zmq.SUBSCRIBE, self._pool_topic)
                 sub.connect(self._pool_endpoint)
-                topic = self._pool_topic
-                sockets[sub] = Stream(
-                    "pool", lambda t: pool if t.startswith(topic) else None, self._pool_replay
-                )
+                sockets[sub] = Stream("pool", self._pool_view, self._pool_replay)
         except BaseException as exc:
             self._error = exc
             self._ready.set()
@@ -144,18 +140,30 @@ class EventFeeds:
         try:
             for stream in sockets.values():
                 if stream.name == "pool" and stream.replay is not None:
-                    self._replay(ctx, decoder, stream, 0)
+                    try:
+                        self._replay(ctx, decoder, stream, 0)
+                    except Exception as exc:  # the live stream still comes
+                        self._warn("pool-replay", "the pool's KV-event replay failed (%r)", exc)
             poller = zmq.Poller()
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)
             while not self._stop.is_set():
                 for sock, _ in poller.poll(POLL_MS):
-                    topic, seq, payload = sock.recv_multipart()
-                    self._take(ctx, decoder, sockets[sock], topic.decode(), seq, payload)
+                    frames = sock.recv_multipart()
+                    try:
+                        topic, seq, payload = frames
+                        self._take(ctx, decoder, sockets[sock], topic.decode(), seq, payload)
+                    except Exception as exc:  # one bad batch, never the thread
+                        self.stats.decode_errors += 1
+                        self._warn("batch", "a KV-event batch (%d frames) was not applied "
+                                   "(%r): skipped", len(frames), exc)  # fmt: skip
         finally:
             for sock in sockets:
                 sock.close(linger=0)
             ctx.term()
+
+    def _pool_view(self, topic: str) -> CacheView | None:
+        return self._pool if topic.startswith(self._pool_topic) else None
 
     def _take(
         self, ctx: Any, decoder: Any, stream: Stream, topic: str, seq_b: bytes, payload: bytes

@@ -27,6 +27,7 @@ SMOKE_TESTS = {
     "bench_channel.py": "tests/integration/test_scripts.py",
     "bench_layerwise.py": "tests/e2e/test_scripts.py",
     "bench_serve.py": "tests/e2e/test_scripts.py",
+    "bench_route.py": "tests/e2e/test_scripts.py",
     "bench_ssd.py": "tests/integration/test_scripts.py",
     "bench_store.py": "tests/integration/test_scripts.py",  # --cross-node: tests/multinode
     "bench_ttft.py": "tests/e2e/test_scripts.py",

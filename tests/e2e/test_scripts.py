@@ -64,6 +64,24 @@ def test_bench_serve_smoke(tmp_path):
     assert kvray["run2_blocks"] > 0 and kvray["run2_hits"] == kvray["run2_blocks"]
 
 
+@pytest.mark.timeout(600)
+def test_bench_route_smoke(tmp_path, prefill_model):
+    """Two instances per arm behind kvray's proxy: round-robin on their own caches, on the
+    pool, and the prefix router on the engines' and the pool's KV events. Every request
+    answered; the router sent the repeats of a prefix where it was cached."""
+    out = tmp_path / "bench_route.json"
+    res = run_script("bench_route.py", "--model-dir", prefill_model, "--json", str(out),
+                     timeout_s=580)  # fmt: skip
+    assert "p50 / local-rr" in res.stdout
+    assert json_keys(out) == committed_keys("bench_route.json")
+    runs = json.loads(out.read_text())["runs"]
+    router = next(r for r in runs if r["arm"] == "pool-router")
+    assert sum(router["served"]) == len(router["ttfts_ms"]) == 8
+    # 4 prefixes asked twice: at least every second asking found its prefix cached
+    assert router["router"]["routed_to_cache"] >= 4, router["router"]
+    assert router["router"]["events"]["batches"] + router["router"]["events"]["replayed"] > 0
+
+
 DEMO_KEYS = {
     "meta", "passes",
     *(f"meta.{k}" for k in ("commit", "machine", "requests", "prefix_tokens", "groups",

@@ -198,3 +198,39 @@ def test_feeds_from_vllms_own_publisher_replay_a_missed_batch():
     finally:
         feeds.stop()
         pub.shutdown()
+
+
+def test_feeds_ask_a_listening_pool_for_what_it_holds_at_once(tmp_path):
+    """A publisher that listens (as the pool's does; vLLM's own here, on an ipc socket):
+    the router connects, replays from the start before any new batch, and keeps only the
+    topics of ``pool_topic``."""
+    vk = pytest.importorskip("vllm.distributed.kv_events")
+    from kvray.router_feeds import EventFeeds
+    from kvray.servers.process import free_port
+
+    endpoint, replay = f"ipc://{tmp_path}/pool.sock", f"tcp://127.0.0.1:{free_port()}"
+    toks = tokens(2)
+    ev = vk.BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=toks,
+                        block_size=BS, lora_id=None, medium=POOL_CPU, lora_name=None)  # fmt: skip
+    mine = vk.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic="kv@h@m")
+    pool = CacheView("pool")
+    feeds = EventFeeds(threading.Lock(), pool=pool, pool_endpoint=endpoint, pool_replay=replay,
+                       pool_topic="kv@")  # fmt: skip
+    try:
+        mine.publish(vk.KVEventBatch(ts=time.time(), events=[ev]))  # before the router
+        time.sleep(0.5)
+        feeds.start()
+        _wait(lambda: len(pool) == 2)
+        assert feeds.stats.replayed == 1 and feeds.stats.batches == 0
+        assert pool.leading(block_keys(toks, BS), lambda w: w[0] == POOL_CPU) == 2
+        more = tokens(1, first=900)
+        child = vk.BlockStored(block_hashes=[9], parent_block_hash=8, token_ids=more,
+                               block_size=BS, lora_id=None, medium=POOL_CPU,
+                               lora_name=None)  # fmt: skip
+        mine.publish(vk.KVEventBatch(ts=time.time(), events=[child]))  # live
+        _wait(lambda: len(pool) == 3)
+        assert pool.leading(block_keys(toks + more, BS), lambda w: True) == 3
+        assert feeds.stats.batches == 1 and feeds.stats.decode_errors == 0
+    finally:
+        feeds.stop()
+        mine.shutdown()

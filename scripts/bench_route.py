@@ -164,6 +164,9 @@ def main() -> int:
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the servers' and proxies' logs"
+    )
     args = parse(parser, SMOKE)
     arms = args.arms.split(",")
     if set(arms) - set(ARMS) or not arms:
@@ -272,7 +275,10 @@ def main() -> int:
         if pool is not None:
             pool.shutdown()
             ray.shutdown()
-    shutil.rmtree(tmp)  # logs: kept when the run failed
+    if args.keep_logs:
+        log(f"== logs kept in {tmp}")
+    else:
+        shutil.rmtree(tmp)  # logs: kept when the run failed
 
     table = summarize(runs, arms)
     print(f"\n{'arm':14} {'p50 ms':>8} {'p99 ms':>8} {'p50 / local-rr':>22} {'p50 / pool-rr':>22}")

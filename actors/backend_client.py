@@ -169,6 +169,11 @@ class BackendClientActor:
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return await self._tiers.exists(keys)
 
+    async def dram_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the pool's DRAM tier holds ``keys`` (not this node's SSD tier): the
+        manager's check of what a lost node took with it."""
+        return await self._tiers.dram.exists(keys)
+
     async def remove(self, keys: Sequence[str], force: bool = False) -> list[KeyStatus]:
         self._ensure_background()
         notes: IndexKeys | None = [] if self._index is not None else None

@@ -105,6 +105,23 @@ class IndexHub:
         if self._changed is not None:
             self._changed.set()
 
+    def node_lost(self, node_id: str) -> list[IndexChange]:
+        """``node_id`` is gone, and the SSD tiers of its places with it (as far as the
+        pool reaches them): every entry's bit of those places let go, as a load finding
+        them gone would (marker ``GONE``: a lookup misses them as ``evicted``). Recorded
+        and returned (the pool's events drop them from ``STORAGE``)."""
+        digests, tiers = self.index.entries()
+        changes = []
+        for node, slot in self.index.places():
+            if node != node_id:
+                continue
+            bit = self.index.place_bit(node, slot, register=False)
+            held = digests[(tiers & np.uint32(bit)) != 0]
+            if len(held):
+                changes.append(IndexChange(GONE, held.astype("<u8").tobytes(), node, slot))
+        self.record(changes)
+        return changes
+
     def since(self, epoch: str, seq: int) -> IndexUpdate:
         places = self.index.places()
         if epoch != self.epoch or not self._base <= seq <= self.seq:

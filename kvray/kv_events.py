@@ -211,6 +211,24 @@ class BlockCatalog:
             return 0, []
         return sp.block_size, [(b.info, b.media) for b in sp.blocks.values() if b.media]
 
+    def keys_in(self, medium: str) -> tuple[np.ndarray, list[str]]:
+        """Every column key of the blocks announced in ``medium``, and its digest: what
+        to ask the backend about when the index may be wrong (a node lost, and the DRAM
+        tier's copies in it)."""
+        digests: list[np.ndarray] = []
+        keys: list[str] = []
+        for sp in self._spaces.values():
+            space = sp.space
+            prefixes = [
+                space.column_prefix(*divmod(c, space.layer_groups)) for c in range(space.columns)
+            ]
+            for block in sp.blocks.values():
+                if medium in block.media:
+                    tail = block.info.block_hash.hex()
+                    keys += [p + tail for p in prefixes]
+                    digests.append(block.digests)
+        return (np.concatenate(digests) if digests else np.empty(0, np.uint64)), keys
+
     def _evaluate(self, blocks: Sequence[_Block]) -> list[tuple[str, Event]]:
         """Compare each block's media in the index with what was announced."""
         if not blocks:
@@ -329,6 +347,11 @@ class KVEventsHub:
         with self._lock:
             events = self.catalog.changed(digests)
         self._publish(events)
+
+    def keys_in(self, medium: str) -> tuple[np.ndarray, list[str]]:
+        """:meth:`BlockCatalog.keys_in`, under the lock."""
+        with self._lock:
+            return self.catalog.keys_in(medium)
 
     def _publish(self, events: list[tuple[str, Event]]) -> None:
         by_topic: dict[str, list[Event]] = {}

@@ -320,6 +320,10 @@ class StoreHandle(Handle):
     def exists(self, keys: Sequence[str]) -> Call[list[bool]]:
         return self._call("exists", list(keys))
 
+    def dram_exists(self, keys: Sequence[str]) -> Call[list[bool]]:
+        """The DRAM tier alone (a BackendClient's; the SSD actor has no such call)."""
+        return self._call("dram_exists", list(keys))
+
     def remove(self, keys: Sequence[str], force: bool = False) -> Call[list[KeyStatus]]:
         return self._call("remove", list(keys), force)
 

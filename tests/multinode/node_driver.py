@@ -14,6 +14,12 @@ joins the cluster as the node ``KVRAY_NODE_IP_ADDRESS`` names and prints one JSO
                                                (the SSD tier keeps its copies)
     node_driver.py put POOL KEY SEED [N]       put N random bytes (seeded) under KEY
     node_driver.py get POOL KEY SEED [N]       get KEY; compare with the seeded bytes
+    node_driver.py start-events POOL           start a detached pool with kv_events
+    node_driver.py put-blocks POOL SEED N      describe N chained blocks (seeded tokens) as a
+                                               scheduler does, and put them from this node
+    node_driver.py events POOL SEED...         the blocks a subscriber (vLLM's types) holds
+                                               after a replay from the start, and those of
+                                               the seeds' blocks exists() shows
     node_driver.py status POOL                 the pool's status dict
     node_driver.py down POOL                   stop the pool
 """
@@ -29,6 +35,22 @@ import numpy as np
 
 def _value(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+EVENTS_TOPIC = "kv@mn@events"
+EVENTS_LAYOUT = "float16-b16-h2x64"
+
+
+def _described(seed: int, n: int) -> tuple[object, list[object]]:
+    """The key space and the ``BlockInfo`` of ``n`` chained blocks of seeded tokens."""
+    from kvray.keys import KeySpace, chain_block_hashes
+    from kvray.kv_events import BlockInfo
+
+    tokens = [int(t) for t in np.random.default_rng(seed).integers(3, 30000, 16 * n)]
+    hashes = chain_block_hashes(tokens, 16)
+    infos = [BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
+             for i, h in enumerate(hashes)]  # fmt: skip
+    return KeySpace("mnev", EVENTS_LAYOUT, tp_size=1), infos
 
 
 def main() -> int:
@@ -65,6 +87,53 @@ def main() -> int:
             config["lookup_index"] = False
         pool = Pool.start(config)
         out = {"node": me, "server": pool.server_address}
+        pool.close()
+    elif cmd == "start-events":
+        config = {
+            "name": args[0], "world_size": 1, "detached": True,
+            "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
+            "master": {"client_ttl_s": 2},
+            "kv_events": {"port": 0, "replay_port": 0},  # host: the node's (2 nodes)
+        }  # fmt: skip
+        pool = Pool.start(config)
+        out = {"node": me, "server": pool.server_address, "events": pool.kv_events()}
+        pool.close()
+    elif cmd == "put-blocks":
+        from kvray.kv_events import Described
+
+        pool = Pool.attach(args[0])
+        space, infos = _described(int(args[1]), int(args[2]))
+        hashes = [i.block_hash for i in infos]  # type: ignore[attr-defined]
+        pool._h.manager.describe_blocks(
+            [Described(space, EVENTS_TOPIC, 16, tuple(infos))]  # type: ignore[arg-type]
+        ).result(60)
+        keys = space.rank_key_strs(hashes, 0)  # type: ignore[attr-defined]
+        pool.put(keys, [_value(int(args[1]) + j, 4096) for j in range(len(keys))])
+        out = {"node": me, "client_node": pool._h.client(0).probe().result(60)["node_id"],
+               "hashes": [h.hex() for h in hashes]}  # fmt: skip
+        pool.close()
+    elif cmd == "events":
+        sys.path.insert(0, os.getcwd())  # the repository, for tests.kv_subscriber
+        from tests.kv_subscriber import Subscriber, ext
+
+        pool = Pool.attach(args[0])
+        ends = pool.kv_events()
+        assert ends is not None, "the pool has no kv_events"
+        described = {}
+        whole = []
+        for seed in args[1:]:
+            space, infos = _described(int(seed), 4)
+            hashes = [i.block_hash for i in infos]  # type: ignore[attr-defined]
+            present = pool.exists(space.rank_key_strs(hashes, 0))  # type: ignore[attr-defined]
+            described.update({ext(h): h.hex() for h in hashes})
+            whole += [h.hex() for h, p in zip(hashes, present, strict=True) if p]
+        sub = Subscriber(ends["endpoint"], ends["replay"], EVENTS_TOPIC)
+        for _, _, batch in sub.replay(0):  # every batch since the publisher started
+            sub.apply(batch)
+        sub.close()
+        held = sub.blocks.get(("CPU", args[0]), set())
+        out = {"held": sorted(described.get(h, f"undescribed {h!r}") for h in held),
+               "whole": sorted(whole)}  # fmt: skip
         pool.close()
     elif cmd == "start-yuanrong":
         import json

@@ -66,6 +66,25 @@ def test_a_keeper_follows_changes_and_snapshots():
     assert not keeper.index.tiers(key_digests(k[30:])).any()
 
 
+def test_a_lost_nodes_ssd_places_leave_the_index_and_the_keepers_follow():
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    k = keys(30)
+    hub.record([change(ADD, k[:10]), change(ADD, k[5:15], "node-b", 0),
+                change(ADD, k[12:20], "node-b", 1), change(ADD, k[18:30], "node-c", 0)])  # fmt: skip
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    changes = hub.node_lost("node-b")
+    assert [(c.op, c.node_id, c.slot, len(c.digests) // 8) for c in changes] == [
+        (GONE_OP, "node-b", 0, 10), (GONE_OP, "node-b", 1, 8)]  # fmt: skip
+    keeper.apply(hub.since(keeper.epoch, keeper.seq))
+    tiers = keeper.index.tiers(key_digests(k))
+    c0 = keeper.index.place_bit("node-c", 0, register=False)
+    assert tiers[:10].tolist() == [DRAM] * 10  # DRAM copies stay (the backend says)
+    assert tiers[10:18].tolist() == [GONE] * 8  # only on node-b: gone, missed as evicted
+    assert tiers[18:20].tolist() == [c0] * 2 and tiers[20:].tolist() == [c0] * 10
+    assert hub.node_lost("node-b") == [] and hub.node_lost("node-x") == []
+
+
 def test_a_long_poll_answers_when_something_is_recorded_or_at_its_limit():
     hub = IndexHub(1024)
 

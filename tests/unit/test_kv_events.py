@@ -190,3 +190,22 @@ def test_block_hashes_are_published_as_vllm_publishes_them(hub, index):
         assert stored.block_hashes == [ext(blocks[0].block_hash)]
     finally:
         sub.close()
+
+
+def test_the_keys_of_announced_blocks_are_every_columns_key_and_digest(index):
+    """What the manager asks the backend about after a node loss: each column's key
+    string of the blocks announced in a medium, with the digest the index holds."""
+    from kvray.block_index import key_digests
+    from kvray.kv_events import BlockCatalog
+
+    cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
+    blocks = _blocks(3)
+    cat.describe(Described(SPACE, TOPIC, 16, tuple(blocks)))
+    d = _store(index, blocks[:2], [0, 1])
+    cat.changed([d])
+    digests, keys = cat.keys_in(CPU)
+    hashes = [b.block_hash for b in blocks[:2]]
+    want = {k for r in range(2) for k in SPACE.rank_key_strs(hashes, r)}
+    assert set(keys) == want and len(keys) == 4
+    assert digests.tolist() == key_digests(keys).tolist()  # in the same order
+    assert cat.keys_in(STORAGE)[1] == []

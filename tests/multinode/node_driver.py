@@ -113,7 +113,9 @@ def main() -> int:
                "hashes": [h.hex() for h in hashes]}  # fmt: skip
         pool.close()
     elif cmd == "events":
-        sys.path.insert(0, os.getcwd())  # the repository, for tests.kv_subscriber
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for tests.kv_subscriber
         from tests.kv_subscriber import Subscriber, ext
 
         pool = Pool.attach(args[0])

@@ -70,8 +70,10 @@ def test_a_lost_nodes_ssd_places_leave_the_index_and_the_keepers_follow():
     hub = IndexHub(4096)
     keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(30)
-    hub.record([change(ADD, k[:10]), change(ADD, k[5:15], "node-b", 0),
-                change(ADD, k[12:20], "node-b", 1), change(ADD, k[18:30], "node-c", 0)])  # fmt: skip
+    hub.record([
+        change(ADD, k[:10]), change(ADD, k[5:15], "node-b", 0),
+        change(ADD, k[12:20], "node-b", 1), change(ADD, k[18:30], "node-c", 0),
+    ])  # fmt: skip
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     changes = hub.node_lost("node-b")
     assert [(c.op, c.node_id, c.slot, len(c.digests) // 8) for c in changes] == [

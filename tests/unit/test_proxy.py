@@ -222,14 +222,50 @@ async def test_mixed_serving_with_the_prefix_policy_sends_a_prefix_where_it_is_c
     ("argv", "match"),
     [
         (["--instance-ports", "1", "2", "--policy", "prefix"], "give --kv-events-bind"),
-        (["--instance-ports", "1", "2", "--policy", "prefix", "--kv-events-bind", "tcp://x:1",
-          "--kv-topics", "a"], "--kv-topics has 1 entries for 2 --instance-ports"),  # fmt: skip
-        (["--instance-ports", "1", "2", "--policy", "prefix", "--kv-events-bind", "tcp://x:1",
-          "--kv-topics", "a", "a"], "a topic of its own"),  # fmt: skip
+        (
+            [
+                "--instance-ports",
+                "1",
+                "2",
+                "--policy",
+                "prefix",
+                "--kv-events-bind",
+                "tcp://x:1",
+                "--kv-topics",
+                "a",
+            ],
+            "--kv-topics has 1 entries for 2 --instance-ports",
+        ),  # fmt: skip
+        (
+            [
+                "--instance-ports",
+                "1",
+                "2",
+                "--policy",
+                "prefix",
+                "--kv-events-bind",
+                "tcp://x:1",
+                "--kv-topics",
+                "a",
+                "a",
+            ],
+            "a topic of its own",
+        ),  # fmt: skip
         (["--instance-ports", "1", "--prefiller-ports", "2"], "not both"),
         (["--prefiller-ports", "2"], "give --instance-ports"),
-        (["--instance-ports", "1", "--policy", "prefix", "--pool-kv-events", "tcp://x:1",
-          "--max-imbalance", "-1"], "--max-imbalance/--load-cost: max_imbalance -1"),  # fmt: skip
+        (
+            [
+                "--instance-ports",
+                "1",
+                "--policy",
+                "prefix",
+                "--pool-kv-events",
+                "tcp://x:1",
+                "--max-imbalance",
+                "-1",
+            ],
+            "--max-imbalance/--load-cost: max_imbalance -1",
+        ),  # fmt: skip
     ],
 )
 def test_bad_routing_flags_name_the_flag_and_the_fix(argv, match):

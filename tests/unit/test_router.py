@@ -77,7 +77,7 @@ def test_removed_and_cleared_blocks_no_longer_count_and_children_still_resolve()
     assert view.holds(keys[2], lambda w: True) and view.unresolved == 0
     view.cleared()
     assert view.leading(keys, lambda w: True) == 0
-    store(view, toks[: BS], parent=12345)  # a parent never heard of: skipped, counted
+    store(view, toks[:BS], parent=12345)  # a parent never heard of: skipped, counted
     assert view.unresolved == 1
 
 

@@ -4,6 +4,7 @@
 - one line per finished request, with its block counts::
 
     request_id=cmpl-1 total_blocks=4 hit_local=0 hit_pool=4 loaded=4 failed=0 saved=0
+    request_id=cmpl-2 total_blocks=4 hit_local=0 hit_pool=1 loaded=1 failed=0 saved=3 miss=evicted
 
 - one line when the scheduler knows its keys (the workers' block geometries arrived)::
 
@@ -24,7 +25,8 @@ from kvray.keys import KeySpace
 REQUEST_FORMAT = (
     "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d"
 )
-"""The per-request line; its arguments in the order of :data:`COUNTS` after the id."""
+"""The per-request line; its arguments in the order of :data:`COUNTS` after the id. A
+request whose lookup missed some of its blocks adds `` miss=<reason>`` (kvray.misses)."""
 COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
 KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s"
 """Namespace, layout, and the ranks' block geometries joined by commas."""

@@ -39,6 +39,9 @@ class RequestState:
     earlier: tuple[int, int, int] = (0, 0, 0)
     """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
     load or a preemption sends it through lookup again)."""
+    miss: str = ""
+    """Why its lookup stopped short of its last full block (kvray.misses' reasons; empty:
+    a whole hit, or no lookup)."""
 
     def totals(self) -> tuple[int, int, int]:
         hit, loaded, failed = self.earlier

@@ -326,8 +326,11 @@ class KVRayScheduler:
         hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
         external = max(0, hit_tokens - num_computed_tokens)
         pool_blocks = -(-external // self.block_size) if external else 0
+        miss = (why or "not_stored") if len(hashes) - local > hit else ""
         self._admit(
-            RequestState(request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks)
+            RequestState(
+                request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks, miss=miss
+            )
         )
         if external == 0:
             return 0, False
@@ -598,7 +601,8 @@ class KVRayScheduler:
     def _log_request(rid: str, st: RequestState, total: int) -> None:
         hit, loaded, failed = st.totals()
         logger.info(
-            REQUEST_FORMAT, *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks)
+            REQUEST_FORMAT + (" miss=%s" if st.miss else "%s"),
+            *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks, st.miss),
         )
 
     def has_pending_push_work(self) -> bool:

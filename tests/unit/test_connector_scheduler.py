@@ -114,6 +114,7 @@ def test_a_lookup_answer_becomes_external_tokens_and_a_load(tokens, hits, miss, 
     assert (s.stat("lookups"), s.stat("lookup_blocks"), s.stat("lookup_hit_blocks")) == (1, 4, hits)
     if hits < 4:
         assert s.stat(f"miss_{miss}") == 4 - hits
+    assert s.sched._reqs["r1"].miss == miss  # for its request line (`` miss=<reason>``)
     s.alloc(req, [10, 11, 12, 13, 14], external)
     req.num_computed_tokens = external  # as vLLM's scheduler sets it before the step
     meta = s.step({"r1": tokens - external}, [(req, [10, 11, 12, 13, 14])])

@@ -26,7 +26,10 @@ REQUEST_FORMAT = (
     "request_id=%s total_blocks=%d hit_local=%d hit_pool=%d loaded=%d failed=%d saved=%d"
 )
 """The per-request line; its arguments in the order of :data:`COUNTS` after the id. A
-request whose lookup missed some of its blocks adds `` miss=<reason>`` (kvray.misses)."""
+request whose lookup missed some of its blocks adds `` miss=<reason>``: one of
+kvray.misses' reasons, or ``save_in_flight`` (the block's save by this instance had not
+ended, or the node's index did not show it yet, when the lookup timeout ran out)."""
+REQUEST_MISS_FORMAT = REQUEST_FORMAT + " miss=%s"
 COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
 KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s"
 """Namespace, layout, and the ranks' block geometries joined by commas."""
@@ -34,6 +37,7 @@ KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s"
 _REQUEST = re.compile(
     r"(?:\(EngineCore\S* pid=(\d+)\).*?)?request_id=(\S+) "
     + " ".join(rf"{name}=(\d+)" for name in COUNTS)
+    + r"(?: miss=(\S+))?"
 )
 _KEYS = re.compile(r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)")
 
@@ -51,6 +55,8 @@ class RequestLine:
     saved: int
     engine_pid: str | None = None
     """The engine-core process that logged it, where vLLM's prefix names one."""
+    miss: str = ""
+    """Why its lookup stopped short (empty: a whole hit, or no lookup)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -61,9 +67,9 @@ class RequestLine:
 def request_lines(log: str) -> list[RequestLine]:
     """Every per-request line in ``log``, in order."""
     out = []
-    for pid, rid, *counts in _REQUEST.findall(log):
+    for pid, rid, *counts, miss in _REQUEST.findall(log):
         total, local, pool, loaded, failed, saved = (int(x) for x in counts)
-        out.append(RequestLine(rid, total, local, pool, loaded, failed, saved, pid or None))
+        out.append(RequestLine(rid, total, local, pool, loaded, failed, saved, pid or None, miss))
     return out
 
 

@@ -36,7 +36,7 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
-from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT
+from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
 from kvray.connector.lookups import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.pd_params import PDParams
@@ -139,6 +139,9 @@ class KVRayScheduler:
         self._save_waits: dict[str, tuple[float, int]] = {}
         """Request -> since when its lookup waits for this instance's own save of the block
         it missed at, and ``_saves_ended`` when its latest lookup started."""
+        self._save_waits_expired: set[str] = set()
+        """Requests whose wait for this instance's own save ran out (their request line
+        says ``miss=save_in_flight``)."""
         self._saves_ended = 0
         """How many step outputs ended saves (a lookup older than one may have missed them)."""
         self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
@@ -327,6 +330,9 @@ class KVRayScheduler:
         external = max(0, hit_tokens - num_computed_tokens)
         pool_blocks = -(-external // self.block_size) if external else 0
         miss = (why or "not_stored") if len(hashes) - local > hit else ""
+        if rid in self._save_waits_expired:  # (the counters keep the index's reason)
+            self._save_waits_expired.discard(rid)
+            miss = miss and "save_in_flight"
         self._admit(
             RequestState(
                 request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks, miss=miss
@@ -356,6 +362,7 @@ class KVRayScheduler:
         since = waiting[0] if waiting is not None else now
         if now - since > self._lookups.timeout_s:
             self._save_waits.pop(rid, None)
+            self._save_waits_expired.add(rid)
             return False
         self._save_waits[rid] = (since, self._saves_ended)
         self.stats.add("lookup_save_waits")
@@ -600,10 +607,11 @@ class KVRayScheduler:
     @staticmethod
     def _log_request(rid: str, st: RequestState, total: int) -> None:
         hit, loaded, failed = st.totals()
-        logger.info(
-            REQUEST_FORMAT + (" miss=%s" if st.miss else "%s"),
-            *(rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks, st.miss),
-        )
+        counts = (rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks)
+        if st.miss:
+            logger.info(REQUEST_MISS_FORMAT, *counts, st.miss)
+        else:
+            logger.info(REQUEST_FORMAT, *counts)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_frees or self._delayed)

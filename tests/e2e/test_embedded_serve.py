@@ -107,9 +107,18 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
         first = _complete(a.url(), tiny_model, p)
         # The same prompt again at once (vLLM's own prefix cache is off): a pool hit.
         assert _complete(a.url(), tiny_model, p) == first
-        assert [(x["saved"], x["hit_pool"], x["loaded"]) for x in a.wait_request_counts(2)] == [
-            (3, 0, 0),
-            (0, 3, 3),
+        a.wait_request_counts(2)
+        lines = a.request_lines()
+        if lines[1].miss == "save_in_flight":
+            # The first request's save had not ended when the lookup timeout (200 ms by
+            # default) ran out: bounded by design, and seen only beside the other test
+            # worker on 2 cores. Any other reason is a failure; a third asking hits.
+            assert _complete(a.url(), tiny_model, p) == first
+            a.wait_request_counts(3)
+            lines = [lines[0], a.request_lines()[2]]
+        assert [(x.saved, x.hit_pool, x.loaded, x.miss) for x in lines] == [
+            (3, 0, 0, "not_stored"),
+            (0, 3, 3, ""),
         ], a.tail()
 
         # a paused while b starts: in CI (twice) b's worker, importing torch next to a's

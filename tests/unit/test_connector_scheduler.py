@@ -267,6 +267,7 @@ def test_a_save_that_never_ends_is_waited_for_at_most_the_lookup_timeout():
     assert matched(s, again) == (None, False)
     time.sleep(0.06)
     assert matched(s, again) == (0, False)  # computed: a miss
+    assert s.sched._reqs["r2"].miss == "save_in_flight"  # its request line says why
 
 
 @pytest.mark.parametrize("aborted", [False, True])

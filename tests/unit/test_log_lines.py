@@ -32,6 +32,7 @@ def test_request_lines_round_trip_with_and_without_an_engine_prefix():
         1,
     )
     assert (second.request_id, second.engine_pid) == ("r2", None)
+    assert (first.miss, second.miss) == ("", "lookup_timeout")
     assert request_counts(log) == [
         {"total_blocks": 4, "hit_local": 0, "hit_pool": 4, "loaded": 3, "failed": 1, "saved": 0},
         {"total_blocks": 2, "hit_local": 1, "hit_pool": 0, "loaded": 0, "failed": 0, "saved": 1},

@@ -135,10 +135,7 @@ class CacheView:
     def leading(self, keys: Sequence[BlockKey], accept: Callable[[Where], bool]) -> int:
         """How many of ``keys``, from the first, are held somewhere ``accept`` takes."""
         n = 0
-        for key in keys:
-            held = self._where.get(key)
-            if not held or not any(accept(w) for w in held):
-                break
+        while n < len(keys) and self.holds(keys[n], accept):
             n += 1
         return n
 

@@ -17,7 +17,7 @@ from kvray.backends import make_backend
 from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.index_stream import INDEX_POLL_S, IndexChange, IndexKeeper
+from kvray.index_stream import FIRST_SYNC_WAIT_S, INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
 from kvray.ledger import FLUSH_S, Ledger
 from kvray.lookup import Answer, LookupService, Place, Placement
@@ -53,6 +53,8 @@ class LookupActor:
             index = BlockIndex.create(config.lookup_index_blocks)
             self._keeper = IndexKeeper(index)
         self._index_task: asyncio.Task[None] | None = None
+        self._synced: asyncio.Event | None = None
+        """Set once the keeper applied the manager's first update (made on the loop)."""
 
     def _ensure_follower(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -63,6 +65,7 @@ class LookupActor:
                 export_forever(self._config.name, "lookup", None, self._metrics)
             )
             if self._keeper is not None:
+                self._synced = asyncio.Event()
                 self._index_task = loop.create_task(self._follow_index(self._keeper))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
@@ -103,6 +106,8 @@ class LookupActor:
                 await asyncio.sleep(FLUSH_S)
                 continue
             keeper.apply(update)
+            if self._synced is not None:
+                self._synced.set()
 
     async def index_apply(self, changes: list[IndexChange]) -> None:
         """This node's clients' changes, as they make them."""
@@ -112,7 +117,9 @@ class LookupActor:
     async def index_spec(self) -> IndexSpec | None:
         """Asked by a scheduler as it attaches: the node's clients connect to this keeper
         first, so their first store's read-your-writes is not paid as a lookup waits for
-        it (BackendClient.connect_keeper)."""
+        it (BackendClient.connect_keeper), and the keeper has the pool's stream (for at
+        most FIRST_SYNC_WAIT_S: past it the index reads as stale until it has), so the
+        first requests' lookups are answered from the index like the later ones."""
         self._ensure_follower()
         if self._keeper is None:
             return None
@@ -122,6 +129,9 @@ class LookupActor:
         calls = [StoreHandle(a, n).connect_keeper() for a, n in zip(found, names, strict=True) if a]
         with contextlib.suppress(KVRayError):  # a client gone meanwhile connects later
             await asyncio.gather(*(c.aresult(self._config.call_timeout_s) for c in calls))
+        assert self._synced is not None, "the keeper's follower is not running (kvray's bug)"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._synced.wait(), FIRST_SYNC_WAIT_S)
         return self._keeper.index.spec
 
     async def _ssd_exists(self, place: Place, keys: list[str]) -> list[bool]:

@@ -42,6 +42,10 @@ marked current)."""
 INDEX_STALE_S = 5.0
 """An index whose keeper was last current longer ago is not trusted (its misses are
 asked of the Lookup actor): the manager or the keeper is gone or stuck."""
+FIRST_SYNC_WAIT_S = 10.0
+"""A scheduler attaching to a node's index waits at most this long for the keeper's first
+update from the pool's stream (the index is stale until then, and lookups ask the Lookup
+actor): a loaded host can take seconds to make the keeper's first call to the manager."""
 
 DEFAULT_LOG_DIGESTS = 1 << 22
 """Digests the hub's log keeps (32 MiB): a keeper further behind gets a snapshot."""

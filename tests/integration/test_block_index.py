@@ -57,6 +57,8 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
     with Pool.start(cfg) as pool:
         index = mapped(pool)
         try:
+            # Attached once the keeper has the pool's stream: current from the start.
+            assert index.age_s() < 5, "the index was handed out before its first sync"
             d = space_digests(space, hashes)  # (2 ranks, 6 blocks)
             assert not index.tiers(d.ravel()).any()
             pool.put(space.rank_key_strs(hashes, 0), [block] * 6, rank=0)

@@ -25,6 +25,7 @@ from kvray.ledger import Entries
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.prefix_match import PrefixMatch
+from kvray.ray_env import normal_priority
 from kvray.remote import Handle, LookupHandle
 from kvray.servers.process import ServerProcess, is_loopback
 from kvray.servers.supervisor import Supervisor
@@ -65,6 +66,9 @@ class PoolManagerActor:
         """``nodes_at_start``: the Ray cluster's alive nodes when the pool was started
         (``server_host: auto`` decides by it, the same way again after a restart);
         ``take_back``: made again after the last manager's node was lost."""
+        # The block index's stream and the embedded server (started from this process,
+        # it inherits this niceness) are on the stores' and lookups' paths.
+        normal_priority("pool manager")
         self._config = config = PoolConfig.model_validate_json(config_json)
         self._config_json = config_json
         self._spec = spec = spec_of(config.backend)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvray.errors import ConfigError, EmbeddedPoolError
-from kvray.ray_env import unpin_cpus
+from kvray.ray_env import unpin_cpus, without_cpu_binding
 from kvray.servers.process import why_unreachable
 from kvray.shm import process_gone
 
@@ -178,7 +178,9 @@ def _start_keeper(
         cmd += ["--config", pool_config]
     if overrides:
         cmd += ["--overrides", json.dumps(overrides)]
-    env = dict(os.environ)
+    # Not vLLM's OpenMP binding of the worker this runs in: the pool's processes would
+    # each pin themselves to the worker's first core (unpin_cpus cannot undo that).
+    env = without_cpu_binding(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     with files.log.open("w") as log:

@@ -110,6 +110,21 @@ def normal_priority(role: str) -> None:
             return
 
 
+OPENMP_BINDING = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+"""The OpenMP settings that bind a process's threads to CPUs. vLLM's CPU backend sets one
+of them for its workers (and preloads libgomp with ``LD_PRELOAD``); every program started
+with them binds its first thread to the first CPU listed as OpenMP initializes, before
+any of its code runs: Ray's gcs_server and raylet, each actor's process, mooncake_master."""
+
+
+def without_cpu_binding(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without vLLM's OpenMP CPU binding (:data:`OPENMP_BINDING`), for the
+    processes of a pool started from an engine's worker: with it, an embedded pool's whole
+    Ray node ran on the one core where the worker busy-polls between steps, and its saves
+    waited seconds for the node channel to be read on a loaded host."""
+    return {k: v for k, v in env.items() if k not in OPENMP_BINDING}
+
+
 def unpin_cpus() -> set[int] | None:
     """Let this process (and what it starts) run on every CPU of the machine; the CPUs it
     was pinned to before, or None when it was not pinned.

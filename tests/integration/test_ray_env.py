@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +62,7 @@ def test_the_pools_actors_run_every_thread_at_niceness_zero(ray_cluster, mooncak
     a busy engine starved it (its saves went unanswered for seconds)."""
     from kvray import Pool
     from kvray.keys import KeySpace
+    from kvray.naming import manager_name
 
     from .conftest import small_config
 
@@ -71,9 +73,12 @@ def test_the_pools_actors_run_every_thread_at_niceness_zero(ray_cluster, mooncak
     try:
         space = KeySpace("nice", "float32-b16-h1x64")
         assert pool.lookup(space, [b"\1" * 32]) == 0  # the node's Lookup actor is up
+        manager = ray.get_actor(manager_name(cfg.name), namespace=cfg.namespace)
         pids = {
             "BackendClient": pool._h.client(0).probe().result(30)["pid"],
             "Lookup": pool._h.lookup().probe().result(30)["pid"],
+            # (the block index's stream; and an embedded server inherits its niceness)
+            "manager": ray.get(manager.__ray_call__.remote(lambda _: os.getpid()), timeout=30),
         }
         for role, pid in pids.items():
             niceness = _niceness(pid)

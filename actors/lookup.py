@@ -53,8 +53,8 @@ class LookupActor:
             index = BlockIndex.create(config.lookup_index_blocks)
             self._keeper = IndexKeeper(index)
         self._index_task: asyncio.Task[None] | None = None
-        self._synced: asyncio.Event | None = None
-        """Set once the keeper applied the manager's first update (made on the loop)."""
+        self._synced = asyncio.Event()
+        """Set once the keeper applied the manager's first update."""
 
     def _ensure_follower(self) -> None:
         # Started from the first async call: __init__ runs before the actor's loop does.
@@ -65,7 +65,6 @@ class LookupActor:
                 export_forever(self._config.name, "lookup", None, self._metrics)
             )
             if self._keeper is not None:
-                self._synced = asyncio.Event()
                 self._index_task = loop.create_task(self._follow_index(self._keeper))
 
     async def _metrics(self) -> tuple[RankStats, int | None]:
@@ -106,8 +105,7 @@ class LookupActor:
                 await asyncio.sleep(FLUSH_S)
                 continue
             keeper.apply(update)
-            if self._synced is not None:
-                self._synced.set()
+            self._synced.set()
 
     async def index_apply(self, changes: list[IndexChange]) -> None:
         """This node's clients' changes, as they make them."""
@@ -129,7 +127,6 @@ class LookupActor:
         calls = [StoreHandle(a, n).connect_keeper() for a, n in zip(found, names, strict=True) if a]
         with contextlib.suppress(KVRayError):  # a client gone meanwhile connects later
             await asyncio.gather(*(c.aresult(self._config.call_timeout_s) for c in calls))
-        assert self._synced is not None, "the keeper's follower is not running (kvray's bug)"
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._synced.wait(), FIRST_SYNC_WAIT_S)
         return self._keeper.index.spec

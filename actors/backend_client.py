@@ -1,4 +1,4 @@
-"""BackendClient actor: one rank's tiers (:class:`kvray.tiers.TieredStore`) on the
+"""BackendClient actor: one rank's tiers (:class:`kvray.store.tiers.TieredStore`) on the
 rank's node, and its reports to the pool (ledger, metrics)."""
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from kvray import remote
 from kvray.actors.node_config import current_settings, on_this_node
 from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
-from kvray.channel import ChannelServer
 from kvray.config import PoolConfig
-from kvray.index_publisher import SWEEP_S, EvictionSweep, IndexPublisher
-from kvray.index_stream import ADD, GONE
+from kvray.index.ledger import FLUSH_S
+from kvray.index.stream import ADD, GONE
 from kvray.keys import probe_hash
-from kvray.ledger import FLUSH_S
 from kvray.metrics import export_forever
-from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.remote import ManagerHandle, ManagerLink, Remake, StoreHandle
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
-from kvray.tiers import IndexKeys, RemoteTier, TieredStore
+from kvray.store.channel import ChannelServer
+from kvray.store.index_publisher import SWEEP_S, EvictionSweep, IndexPublisher
+from kvray.store.rank_store import RankStore
+from kvray.store.tiers import IndexKeys, RemoteTier, TieredStore
 from kvray.transfer import TransferBatch
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class BackendClientActor:
         self._remake = remake
         self._background: list[asyncio.Task[None]] = []
         self._channel: ChannelServer | None = None
-        """The node channel workers send their transfers over (:mod:`kvray.channel`)."""
+        """The node channel workers send their transfers over (:mod:`kvray.store.channel`)."""
         self._index: IndexPublisher | None = None
         """Changes to the pool's block indexes (``lookup_index``)."""
         if config.lookup_index:
@@ -97,7 +97,7 @@ class BackendClientActor:
 
     async def _sweep_evictions(self) -> None:
         """Reconcile the DRAM keys this client stored with the backend (what it evicted
-        is published gone): kvray.index_publisher.EvictionSweep."""
+        is published gone): kvray.store.index_publisher.EvictionSweep."""
         assert self._index is not None and self._index.sweep is not None
         sweep = self._index.sweep
         while True:

@@ -14,13 +14,13 @@ from typing import Any
 from kvray import remote
 from kvray.actors.node_config import current_settings, on_this_node
 from kvray.backends import make_backend
-from kvray.block_index import BlockIndex, IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.index_stream import FIRST_SYNC_WAIT_S, INDEX_POLL_S, IndexChange, IndexKeeper
+from kvray.index.block_index import BlockIndex, IndexSpec
+from kvray.index.ledger import FLUSH_S, Ledger
+from kvray.index.lookup import Answer, LookupService, Place, Placement
+from kvray.index.stream import FIRST_SYNC_WAIT_S, INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
-from kvray.ledger import FLUSH_S, Ledger
-from kvray.lookup import Answer, LookupService, Place, Placement
 from kvray.metrics import export_forever
 from kvray.naming import client_name, ssd_name
 from kvray.ray_env import normal_priority

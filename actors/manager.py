@@ -12,19 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from kvray import metrics, prefix_match, remote
+from kvray import metrics, remote
 from kvray.actors import placement
 from kvray.actors.node_config import actor_config
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
-from kvray.index_stream import GONE, IndexChange, IndexHub, IndexUpdate
+from kvray.index import prefix_match
+from kvray.index.kv_events import CPU, Described, KVEventsHub
+from kvray.index.ledger import Entries
+from kvray.index.prefix_match import PrefixMatch
+from kvray.index.stream import GONE, IndexChange, IndexHub, IndexUpdate
 from kvray.keys import KeySpace
-from kvray.kv_events import CPU, Described, KVEventsHub
-from kvray.ledger import Entries
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
-from kvray.prefix_match import PrefixMatch
 from kvray.ray_env import normal_priority
 from kvray.remote import Handle, LookupHandle
 from kvray.servers.process import ServerProcess, is_loopback

@@ -13,14 +13,14 @@ from kvray import remote
 from kvray.backends import KeyStatus
 from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
-from kvray.index_publisher import IndexPublisher
-from kvray.index_stream import ADD, GONE
+from kvray.index.stream import ADD, GONE
 from kvray.keys import probe_hash
 from kvray.metrics import export_forever
-from kvray.rank_store import RankStore
 from kvray.ray_env import normal_priority
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
+from kvray.store.index_publisher import IndexPublisher
+from kvray.store.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
 

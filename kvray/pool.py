@@ -41,10 +41,10 @@ from kvray.errors import (
     RegionError,
     TransferError,
 )
+from kvray.index.lookup import Answer
+from kvray.index.prefix_match import PrefixMatch
 from kvray.keys import BlockKey, KeySpace
-from kvray.lookup import Answer
 from kvray.naming import region_prefix
-from kvray.prefix_match import PrefixMatch
 from kvray.ray_env import ray_init
 from kvray.remote import Call, CallTimeoutError, StoreHandle
 from kvray.shm import SharedRegion

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvray.ledger import Entries, Ledger
+from kvray.index.ledger import Entries, Ledger
 
 if TYPE_CHECKING:
     from collections.abc import Collection

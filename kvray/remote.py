@@ -37,13 +37,13 @@ from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
     from kvray.backends.base import KeyStatus
-    from kvray.block_index import IndexSpec
-    from kvray.index_stream import IndexChange, IndexUpdate
+    from kvray.index.block_index import IndexSpec
+    from kvray.index.kv_events import Described
+    from kvray.index.ledger import Entries
+    from kvray.index.lookup import Answer, Placement
+    from kvray.index.prefix_match import PrefixMatch
+    from kvray.index.stream import IndexChange, IndexUpdate
     from kvray.keys import KeySpace
-    from kvray.kv_events import Described
-    from kvray.ledger import Entries
-    from kvray.lookup import Answer, Placement
-    from kvray.prefix_match import PrefixMatch
     from kvray.shm import RegionSpec
     from kvray.transfer import TransferBatch
 
@@ -136,7 +136,7 @@ class Call(Generic[T]):
 
     @property
     def carrier(self) -> object:
-        """What carries the call: Ray (None), or a node channel (:mod:`kvray.channel`)."""
+        """What carries the call: Ray (None), or a node channel (:mod:`kvray.store.channel`)."""
         return None
 
     @property
@@ -337,7 +337,7 @@ class StoreHandle(Handle):
         return self._call("probe")
 
     def channel(self) -> Call[str]:
-        """The address of the actor's node channel (:mod:`kvray.channel`), listening
+        """The address of the actor's node channel (:mod:`kvray.store.channel`), listening
         from this call on."""
         return self._call("channel")
 
@@ -474,7 +474,7 @@ class ManagerHandle(Handle):
 
     def prefix_match(self, space: KeySpace, block_hashes: list[bytes]) -> Call[PrefixMatch]:
         """Leading blocks of ``block_hashes`` the pool holds, per tier and node (from the
-        hub's block index: :mod:`kvray.prefix_match`)."""
+        hub's block index: :mod:`kvray.index.prefix_match`)."""
         return self._call("prefix_match", space, block_hashes)
 
     def describe_blocks(self, reports: list[Described]) -> Call[None]:

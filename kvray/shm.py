@@ -12,8 +12,8 @@ Other processes on the same node attach through the creator's descriptor,
 number is never mistaken for the region) and against the node identity (so a process on
 another node, which may share this kernel in a namespaced test harness, is refused as it
 would be on real hardware). An attaching process keeps its mapping until it sees that the
-creator is gone (:meth:`SharedRegion.stale`) and drops it; :class:`~kvray.rank_store.RankStore`
-sweeps for that every few seconds.
+creator is gone (:meth:`SharedRegion.stale`) and drops it;
+:class:`~kvray.store.rank_store.RankStore` sweeps for that every few seconds.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def chosen(parser: argparse.ArgumentParser, names: list[str], known: tuple[str, 
 
 def bench_model(model_dir: str) -> str:
     """The benchmarks' prefill-bound model, built once in ``model_dir``."""
-    from kvray.tiny_model import build_prefill_bound_llama
+    from kvray.testing.tiny_model import build_prefill_bound_llama
 
     log(f"== building the model in {model_dir}")
     return str(build_prefill_bound_llama(model_dir))

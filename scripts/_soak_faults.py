@@ -41,7 +41,7 @@ import numpy as np
 from kvray import Pool
 from kvray.backends.base import KeyStatus
 from kvray.errors import KVRayError, PoolFullError
-from kvray.ledger import Seen, block_digest
+from kvray.index.ledger import Seen, block_digest
 from kvray.naming import client_name, manager_name
 from kvray.remote import ManagerHandle, StoreHandle
 from kvray.stats import RankStats

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What a worker's per-step call to its node's BackendClient costs: the node channel
-(kvray.channel, the default ``transfer_channel: node``) against a Ray actor call (the
+(kvray.store.channel, the default ``transfer_channel: node``) against a Ray actor call (the
 fallback, and what every transfer was before), on the same actor of a real pool.
 
 Three shapes, each a round trip as the engine's worker sees it:
@@ -64,9 +64,9 @@ def main() -> int:
     import ray
 
     from kvray.backends.base import KeyStatus
-    from kvray.channel import ChannelStore
     from kvray.ray_env import ray_init
     from kvray.remote import Call
+    from kvray.store.channel import ChannelStore
     from kvray.transfer import TransferBatch
 
     blocks, block = args.blocks, args.block_kib << 10

@@ -76,7 +76,7 @@ class Proxy:
         pool_events: tuple[str, str] | None,
     ) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "kvray.proxy", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvray.proxy.server", "--port", str(self.port),
                "--instance-ports", *map(str, ports), "--health-interval", "0.5"]  # fmt: skip
         if arm.endswith("router"):
             cmd += ["--policy", "prefix", "--max-imbalance", str(args.max_imbalance)]
@@ -184,7 +184,7 @@ def main() -> int:
 
     import ray
 
-    from kvray.tiny_model import build_prefill_bound_llama
+    from kvray.testing.tiny_model import build_prefill_bound_llama
 
     log(f"== building the model in {args.model_dir}")
     model = str(build_prefill_bound_llama(args.model_dir))

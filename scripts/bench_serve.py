@@ -175,7 +175,7 @@ def main() -> int:
     import ray
 
     from kvray.config import MooncakeMasterConfig
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.testing.tiny_model import build_tiny_llama
 
     log(f"== building a small GQA Llama in {args.model_dir}")
     model = str(

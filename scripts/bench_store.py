@@ -64,7 +64,7 @@ os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 import numpy as np  # noqa: E402
 
 from kvray.backends.base import KeyStatus  # noqa: E402
-from kvray.block_index import DRAM, BlockIndex  # noqa: E402
+from kvray.index.block_index import DRAM, BlockIndex  # noqa: E402
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
 from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402

@@ -66,7 +66,7 @@ def main() -> int:
 
     from kvray import Pool, PoolConfig
     from kvray.ray_env import ray_init
-    from kvray.tiny_model import build_prefill_bound_llama
+    from kvray.testing.tiny_model import build_prefill_bound_llama
 
     step("starting a local Ray cluster on 127.0.0.1 and a kvray pool (embedded mooncake_master)")
     t0 = time.monotonic()

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = str(args.model)
     else:
-        from kvray.tiny_model import build_tiny_llama
+        from kvray.testing.tiny_model import build_tiny_llama
 
         model = str(build_tiny_llama(tmp / "tiny-llama"))
     prompts = make_prompts(args.prefixes, args.suffixes, args.seed)

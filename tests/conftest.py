@@ -71,7 +71,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model(tmp_path_factory):
     """The tiny Llama, built once per run (the xdist workers share it: a lock in the run's
     temp root, the first worker builds it)."""
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.testing.tiny_model import build_tiny_llama
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))

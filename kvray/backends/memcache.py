@@ -33,8 +33,8 @@ from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal, groups
 from kvray.backends.blocking import BlockingCalls
 from kvray.backends.keycodec import MEMCACHE
 from kvray.config import MemcacheConfig, parse_host_port
+from kvray.config.mmc_conf import render_conf
 from kvray.errors import BackendUnavailableError
-from kvray.mmc_conf import render_conf
 from kvray.servers.process import check_reachable
 from kvray.shm import process_gone
 

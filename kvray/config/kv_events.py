@@ -1,4 +1,4 @@
-"""The pool's KV-events publisher (``kv_events``, issue 30; :mod:`kvray.kv_events`)."""
+"""The pool's KV-events publisher (``kv_events``, issue 30; :mod:`kvray.index.kv_events`)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def _typed_items(keys: Mapping[str, str], items: Mapping[str, str]) -> dict[str,
 
 
 def _known_extra(v: dict[str, str], typed: dict[str, str]) -> dict[str, str]:
-    from kvray.mmc_conf import KNOWN_KEYS
+    from kvray.config.mmc_conf import KNOWN_KEYS
 
     for key in v:
         if key not in KNOWN_KEYS:
@@ -96,7 +96,7 @@ class _MmcConf(_Strict):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
         """The file the environment variable names; unset: the defaults."""
-        from kvray.mmc_conf import read_conf
+        from kvray.config.mmc_conf import read_conf
 
         env = os.environ if environ is None else environ
         path = env.get(cls._ENV)

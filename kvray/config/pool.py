@@ -135,7 +135,7 @@ class PoolConfig(_Strict):
     stream of every client's stores, removes, keys found gone and the backend's evictions
     (each client reconciles what it stored), through the manager; the schedulers on the
     node answer lookups from it in microseconds, with no actor call, and pin a step's
-    loads with one call (kvray/block_index.py). A block the index shows that is gone by
+    loads with one call (kvray/index/block_index.py). A block the index shows that is gone by
     its load is a failed load (recomputed, ``gone_at_load``). False: every lookup is a
     call to the node's Lookup actor, which asks the backend."""
     lookup_index_blocks: int = Field(1 << 20, ge=1024, le=1 << 28)

@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 class Transfers(Protocol):
     """Where a worker's loads and saves go: its BackendClient's
-    :class:`~kvray.remote.StoreHandle` (Ray) or a :class:`~kvray.channel.ChannelStore`
+    :class:`~kvray.remote.StoreHandle` (Ray) or a :class:`~kvray.store.channel.ChannelStore`
     (the node channel)."""
 
     def get(self, batch: TransferBatch) -> Call[list[KeyStatus]]: ...

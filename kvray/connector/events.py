@@ -1,4 +1,4 @@
-"""Scheduler side of the pool's KV events (issue 30, :mod:`kvray.kv_events`): the blocks
+"""Scheduler side of the pool's KV events (issue 30, :mod:`kvray.index.kv_events`): the blocks
 a step saves, described as vLLM's own ``BlockStored`` would describe them (block hash,
 parent hash, token ids, extra keys such as the cache salt), sent to the pool's manager
 with one call per step that saves, never waited for. The manager announces a block only
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvray.errors import KVRayError
-from kvray.kv_events import BlockInfo, Described
+from kvray.index.kv_events import BlockInfo, Described
 
 if TYPE_CHECKING:
     from kvray.config import KVEventsConfig

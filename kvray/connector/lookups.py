@@ -2,7 +2,7 @@
 step.
 
 With the pool's ``lookup_index``, a lookup reads the node's block index
-(kvray/block_index.py), mapped into this process, and is answered on the spot, with no
+(kvray/index/block_index.py), mapped into this process, and is answered on the spot, with no
 call: a hit there that is gone by load time is a failed load (recomputed, counted
 ``gone_at_load``). The blocks loaded in a step are pinned with one call to the Lookup
 actor for the step (Mooncake leases them until the load), sent and not waited for. Only a
@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvray.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex
 from kvray.errors import KVRayError
-from kvray.index_stream import INDEX_STALE_S
-from kvray.lookup import Answer, Place, ssd_places
+from kvray.index.block_index import DRAM, GONE, REMOVED, TIERS, BlockIndex
+from kvray.index.lookup import Answer, Place, ssd_places
+from kvray.index.stream import INDEX_STALE_S
 from kvray.misses import counter as miss_counter
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Waits
     from kvray.connector.stats import KVRayConnectorStats
+    from kvray.index.lookup import Placement
     from kvray.keys import KeySpace
-    from kvray.lookup import Placement
     from kvray.remote import Call, LookupHandle
 
 REPORT_S = 1.0

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvray.lookup import Place
+from kvray.index.lookup import Place
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvray.index.lookup import Place, Placement
     from kvray.launcher import PoolHandles
-    from kvray.lookup import Place, Placement
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvray.channel import ChannelStore
 from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.instance import InstanceInfo
@@ -36,8 +35,9 @@ from kvray.connector.slots import StagingSlots
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import StepClock, StepTimes
 from kvray.errors import ConfigError
-from kvray.lookup import Place
+from kvray.index.lookup import Place
 from kvray.naming import region_prefix
+from kvray.store.channel import ChannelStore
 
 if TYPE_CHECKING:
     from kvray.connector.calls import Transfers

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from kvray.config import MemcacheMetaConfig, parse_host_port
-from kvray.mmc_conf import render_conf
+from kvray.config.mmc_conf import render_conf
 from kvray.servers.process import ServerProcess, free_port
 
 LOCK_FILE = "/tmp/mmc_meta_service.lock"

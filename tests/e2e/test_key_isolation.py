@@ -53,7 +53,7 @@ def _one_run(cluster: str, tmp: Path, name: str, model: str, extra: dict | None)
 
 @pytest.fixture(scope="module")
 def three_layer_model(tmp_path_factory):
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.testing.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("model3") / "tiny-llama", num_layers=3))
 
@@ -120,7 +120,7 @@ def test_another_geometry_never_loads_after_a_pool_restart(
 def test_another_checkpoint_never_shares_keys_by_default(
     pool, ray_cluster, tiny_model, baseline, tmp_path
 ):
-    from kvray.tiny_model import build_tiny_llama
+    from kvray.testing.tiny_model import build_tiny_llama
 
     other = str(build_tiny_llama(tmp_path / "other" / "tiny-llama", seed=1))
     copy = tmp_path / "copy" / "tiny-llama"

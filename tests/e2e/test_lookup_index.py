@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvray.block_index import BlockIndex
+from kvray.index.block_index import BlockIndex
 
 from .conftest import BLOCK, own_prompts, pool_hit, start_pool
 from .conftest import connector as _connector

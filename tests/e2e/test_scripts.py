@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="session")
 def prefill_model(tmp_path_factory) -> str:
     """The model of the demo and of the TTFT benchmarks, built once for the session."""
-    from kvray.tiny_model import build_prefill_bound_llama
+    from kvray.testing.tiny_model import build_prefill_bound_llama
 
     return str(build_prefill_bound_llama(tmp_path_factory.mktemp("prefill-model") / "llama"))
 

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvray.backends.base import KeyStatus
-from kvray.block_index import IndexSpec
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.lookup import Answer, Placement
+from kvray.index.block_index import IndexSpec
+from kvray.index.lookup import Answer, Placement
 from kvray.remote import CallTimeoutError, LookupHandle, ManagerHandle, StoreHandle
 from kvray.shm import RegionSpec, SharedRegion
 from kvray.transfer import TransferBatch

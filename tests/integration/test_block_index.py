@@ -17,7 +17,7 @@ import ray
 
 from kvray import Pool
 from kvray.backends.base import KeyStatus
-from kvray.block_index import DRAM, GONE, REMOVED, BlockIndex, space_digests
+from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex, space_digests
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
 from kvray.naming import ssd_name
 from kvray.remote import StoreHandle

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvray.backends.base import KeyStatus
-from kvray.rank_store import RankStore
 from kvray.shm import SharedRegion
+from kvray.store.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
 from .backends import BACKENDS

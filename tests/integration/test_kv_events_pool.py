@@ -16,8 +16,8 @@ import pytest
 
 from kvray import Pool
 from kvray.errors import ConfigError
+from kvray.index.kv_events import BlockInfo, Described
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
-from kvray.kv_events import BlockInfo, Described
 
 from .conftest import small_config
 

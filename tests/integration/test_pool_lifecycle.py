@@ -112,7 +112,7 @@ def test_full_pool_stores_whole_blocks_or_nothing(ray_cluster):
 def test_node_channel_of_a_killed_client_fails_its_calls_then_reattaches(
     ray_cluster, mooncake_master
 ):
-    """A worker's node channel (kvray.channel): the BackendClient SIGKILLed with a get in
+    """A worker's node channel (kvray.store.channel): the BackendClient SIGKILLed with a get in
     flight (the actor stopped first, so the call cannot have answered) fails that get at
     once, not at its timeout; transfers go through Ray meanwhile, and the channel
     re-attaches to the restarted actor and moves bytes again."""
@@ -120,8 +120,8 @@ def test_node_channel_of_a_killed_client_fails_its_calls_then_reattaches(
     import time
 
     from kvray.backends.base import KeyStatus
-    from kvray.channel import ChannelStore
     from kvray.remote import CallTimeoutError
+    from kvray.store.channel import ChannelStore
     from kvray.transfer import TransferBatch
 
     cfg = small_config(mooncake_master.address, world_size=1)

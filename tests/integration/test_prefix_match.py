@@ -17,8 +17,8 @@ import pytest
 
 from kvray import Pool
 from kvray.errors import ConfigError
+from kvray.index.prefix_match import PrefixMatch
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
-from kvray.prefix_match import PrefixMatch
 
 from .conftest import small_config, ssd_pool_config
 

@@ -43,8 +43,8 @@ EVENTS_LAYOUT = "float16-b16-h2x64"
 
 def _described(seed: int, n: int) -> tuple[object, list[object]]:
     """The key space and the ``BlockInfo`` of ``n`` chained blocks of seeded tokens."""
+    from kvray.index.kv_events import BlockInfo
     from kvray.keys import KeySpace, chain_block_hashes
-    from kvray.kv_events import BlockInfo
 
     tokens = [int(t) for t in np.random.default_rng(seed).integers(3, 30000, 16 * n)]
     hashes = chain_block_hashes(tokens, 16)
@@ -99,7 +99,7 @@ def main() -> int:
         out = {"node": me, "server": pool.server_address, "events": pool.kv_events()}
         pool.close()
     elif cmd == "put-blocks":
-        from kvray.kv_events import Described
+        from kvray.index.kv_events import Described
 
         pool = Pool.attach(args[0])
         space, infos = _described(int(args[1]), int(args[2]))

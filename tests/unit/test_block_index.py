@@ -1,4 +1,4 @@
-"""The node's block index (kvray/block_index.py): digests that a scheduler computes from a
+"""The node's block index (kvray/index/block_index.py): digests that a scheduler computes from a
 request's hashes equal those the keeper computes from key strings; what the keeper writes
 is what a reader in another process reads; removals, capacity and full probe runs keep it
 a correct subset of what was stored, never a superset."""
@@ -14,7 +14,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvray.block_index import (
+from kvray.errors import ConfigError, RegionError
+from kvray.index.block_index import (
     DRAM,
     MAX_PLACES,
     MAX_PROBES,
@@ -22,7 +23,6 @@ from kvray.block_index import (
     key_digests,
     space_digests,
 )
-from kvray.errors import ConfigError, RegionError
 from kvray.keys import KeySpace
 
 LAYOUT = "bfloat16-b16-h2x64"
@@ -88,7 +88,7 @@ def test_reader_in_another_process_sees_what_the_keeper_wrote(index, tmp_path):
     spec.write_bytes(pickle.dumps((index.spec, space, hs)))
     code = textwrap.dedent(f"""
         import pickle
-        from kvray.block_index import BlockIndex, space_digests
+        from kvray.index.block_index import BlockIndex, space_digests
         spec, space, hs = pickle.loads(open({str(spec)!r}, "rb").read())
         ix = BlockIndex.attach(spec)
         print(ix.place_bit("node-a", 3), ix.place_bit("node-b", 0), len(ix))

@@ -1,4 +1,4 @@
-"""The node channel (:mod:`kvray.channel`) without Ray: a real server on an asyncio loop
+"""The node channel (:mod:`kvray.store.channel`) without Ray: a real server on an asyncio loop
 (in a thread, or in a process the test kills) and the worker's client over a real Unix
 socket. A step's calls go in one frame; every failure reaches the caller as a kvray
 error, a dead peer at once; a broken channel re-attaches through the handle."""
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvray import remote
-from kvray.channel import ChannelClient, ChannelServer, ChannelStore
 from kvray.errors import BackendUnavailableError, PoolFullError
 from kvray.remote import CallTimeoutError
+from kvray.store.channel import ChannelClient, ChannelServer, ChannelStore
 from tests.fakes.pool_handles import FakeCall, FakeStore
 
 
@@ -147,7 +147,7 @@ def test_a_connection_from_another_user_is_refused(served: Served) -> None:
 
 _ACTOR = """
 import asyncio, sys
-from kvray.channel import ChannelServer
+from kvray.store.channel import ChannelServer
 
 async def main():
     async def echo(*args):

@@ -30,8 +30,8 @@ from kvray.connector.metadata import BlockOp  # noqa: E402
 from kvray.connector.scheduler import KVRayScheduler, hash_bytes  # noqa: E402
 from kvray.connector.timeline import StepTimes  # noqa: E402
 from kvray.errors import BackendUnavailableError  # noqa: E402
+from kvray.index.lookup import Answer  # noqa: E402
 from kvray.keys import KeySpace, KVLayout  # noqa: E402
-from kvray.lookup import Answer  # noqa: E402
 from tests.fakes.pool_handles import FakeCall, FakePool, FakeWaits  # noqa: E402
 
 BS = 16
@@ -471,8 +471,8 @@ def test_lookups_carry_where_each_ranks_worker_loads_through(caplog):
     rank's worker (TP across nodes: rank 1's on node B). A worker that named none: lookups
     ask as before (no placement), said once."""
     from kvray.connector.metadata import KVRayHandshake
+    from kvray.index.lookup import Place
     from kvray.keys import geometry_digest
-    from kvray.lookup import Place
 
     g = geometry_digest("p4x16x64", ["l0"])
     s = Sched(tp_size=2)
@@ -505,7 +505,7 @@ def test_the_node_index_answers_lookups_with_no_call_and_a_step_pins_its_loads()
     the Lookup actor; counted ``index_hits`` or ``index_misses``, a miss's reason from the
     index); the step that loads the hits pins them with one call; an index whose keeper
     is not current is not trusted (the actor is asked)."""
-    from kvray.block_index import GONE, REMOVED, BlockIndex, space_digests
+    from kvray.index.block_index import GONE, REMOVED, BlockIndex, space_digests
 
     index = BlockIndex.create(1024)
     index.touch()
@@ -563,7 +563,7 @@ def test_the_node_index_answers_lookups_with_no_call_and_a_step_pins_its_loads()
 def test_a_request_on_an_ssd_tier_counts_only_where_its_worker_loads():
     """SSD bits: a block on the SSD of the slot that loads the column is a hit; on another
     slot's SSD only, a miss."""
-    from kvray.block_index import BlockIndex, space_digests
+    from kvray.index.block_index import BlockIndex, space_digests
 
     index = BlockIndex.create(1024)
     index.touch()

@@ -338,7 +338,7 @@ def test_keys_carry_the_block_geometry_the_scheduler_is_told(engine, placement):
 def test_the_handshake_names_the_node_and_slot_the_worker_loads_through(monkeypatch):
     """DP rank 1's worker on a GPU node is TP rank 0 but local rank 1: it moves blocks
     through slot 1's client (and SSD tier), and tells the scheduler so for its rank."""
-    from kvray.lookup import Place
+    from kvray.index.lookup import Place
 
     monkeypatch.setattr(worker_mod, "_rank", lambda: (0, 0, 1))  # TP 0, PP 0, local 1
     config = PoolConfig.from_dict({"name": "fake", "world_size": 2}, environ={})

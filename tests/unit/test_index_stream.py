@@ -1,4 +1,4 @@
-"""The block-index stream (kvray/index_stream.py): the manager's hub applies and logs each
+"""The block-index stream (kvray/index/stream.py): the manager's hub applies and logs each
 client's changes, a node's keeper follows it with long polls and gets a snapshot when the
 log no longer reaches its position; the keeper's index then answers as the hub's does,
 with the hub's tier bits."""
@@ -9,9 +9,9 @@ import asyncio
 
 import numpy as np
 
-from kvray.block_index import DRAM, GONE, REMOVED, BlockIndex, key_digests
-from kvray.index_stream import ADD, REMOVE, IndexChange, IndexHub, IndexKeeper
-from kvray.index_stream import GONE as GONE_OP
+from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex, key_digests
+from kvray.index.stream import ADD, REMOVE, IndexChange, IndexHub, IndexKeeper
+from kvray.index.stream import GONE as GONE_OP
 
 
 def change(op: int, keys: list[str], node: str = "", slot: int = -1) -> IndexChange:
@@ -184,7 +184,7 @@ def test_a_change_waiting_for_its_place_is_confirmed_by_the_update_that_names_it
 
 
 def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> None:
-    from kvray.index_publisher import SWEEP_BLIND, EvictionSweep
+    from kvray.store.index_publisher import SWEEP_BLIND, EvictionSweep
 
     sweep = EvictionSweep(kept=1000)
     sweep.stored([f"k{i}" for i in range(1200)])
@@ -218,8 +218,8 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
     (measured: up to 550 ms on a busy host, when a lookup waits 200 ms for a save in
     flight). A publisher that found no keeper looks again only after KEEPER_RETRY_S when
     it publishes, but at once when asked to connect."""
-    from kvray import index_publisher
     from kvray.config import PoolConfig
+    from kvray.store import index_publisher
 
     calls: list[list[IndexChange]] = []
 

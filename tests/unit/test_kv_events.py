@@ -1,4 +1,4 @@
-"""The pool's KV events (kvray/kv_events.py): which blocks the catalog announces from the
+"""The pool's KV events (kvray/index/kv_events.py): which blocks the catalog announces from the
 index's tier masks (every column of the key space, per medium), and the publisher's
 wire format, read by a subscriber built from vLLM's own ``vllm.distributed.kv_events``
 types (as vLLM's examples/online_serving/kv_events_subscriber.py builds one): the
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvray.block_index import DRAM, BlockIndex, space_digests
+from kvray.index.block_index import DRAM, BlockIndex, space_digests
+from kvray.index.kv_events import CPU, STORAGE, BlockInfo, Described, KVEventsHub
 from kvray.keys import KeySpace, chain_block_hashes
-from kvray.kv_events import CPU, STORAGE, BlockInfo, Described, KVEventsHub
 from tests.kv_subscriber import Subscriber, ext, vk
 
 SPACE = KeySpace("events-test", "float32-b16-h2x64", tp_size=2)
@@ -59,7 +59,7 @@ def _store(index: BlockIndex, blocks: list[BlockInfo], columns: list[int], bits:
 
 
 def test_a_block_is_announced_once_every_column_holds_it_and_removed_when_one_goes(index):
-    from kvray.kv_events import BlockCatalog
+    from kvray.index.kv_events import BlockCatalog
 
     cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
     blocks = _blocks(3)
@@ -94,7 +94,7 @@ def test_a_block_is_announced_once_every_column_holds_it_and_removed_when_one_go
 
 
 def test_a_block_stored_before_it_was_described_is_announced_by_the_description(index):
-    from kvray.kv_events import BlockCatalog
+    from kvray.index.kv_events import BlockCatalog
 
     cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
     blocks = _blocks(2)
@@ -104,7 +104,7 @@ def test_a_block_stored_before_it_was_described_is_announced_by_the_description(
 
 
 def test_a_second_key_space_on_a_topic_is_refused_and_past_max_blocks_the_oldest_go(index):
-    from kvray.kv_events import BlockCatalog
+    from kvray.index.kv_events import BlockCatalog
 
     cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=3)
     blocks = _blocks(3)
@@ -195,8 +195,8 @@ def test_block_hashes_are_published_as_vllm_publishes_them(hub, index):
 def test_the_keys_of_announced_blocks_are_every_columns_key_and_digest(index):
     """What the manager asks the backend about after a node loss: each column's key
     string of the blocks announced in a medium, with the digest the index holds."""
-    from kvray.block_index import key_digests
-    from kvray.kv_events import BlockCatalog
+    from kvray.index.block_index import key_digests
+    from kvray.index.kv_events import BlockCatalog
 
     cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
     blocks = _blocks(3)

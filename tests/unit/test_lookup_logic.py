@@ -1,4 +1,4 @@
-from kvray.lookup import leading_hits
+from kvray.index.lookup import leading_hits
 
 
 def test_leading_hits_needs_every_rank():
@@ -25,8 +25,8 @@ class FakeExists:
 def test_lookup_waits_for_blocks_a_prefill_reported():
     import asyncio
 
+    from kvray.index.lookup import LookupService
     from kvray.keys import KeySpace
-    from kvray.lookup import LookupService
 
     space = KeySpace("m", "float32-b16-h1x8", 1, 1)
     hashes = [bytes([i]) * 16 for i in range(4)]
@@ -74,8 +74,8 @@ def test_a_slow_ask_does_not_end_a_prefill_wait():
     lookup (no wait) answers a slow ask as a miss."""
     import asyncio
 
+    from kvray.index.lookup import LookupService
     from kvray.keys import KeySpace
-    from kvray.lookup import LookupService
 
     space = KeySpace("m", "float32-b16-h1x8", 1, 1)
     hashes = [bytes([i]) * 16 for i in range(3)]
@@ -95,8 +95,8 @@ def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
     it, in DRAM or in that rank's SSD tier (asked with that rank's keys only)."""
     import asyncio
 
+    from kvray.index.lookup import LookupService, Place
     from kvray.keys import KeySpace
-    from kvray.lookup import LookupService, Place
 
     space = KeySpace("m", "float32-b16-h1x8", tp_size=2, pp_size=1, layer_groups=2)
     hashes = [bytes([i]) * 16 for i in range(3)]
@@ -127,9 +127,9 @@ def test_misses_are_named_from_the_pools_ledger():
     lookup count under that reason."""
     import asyncio
 
+    from kvray.index.ledger import Ledger, Seen, block_digest
+    from kvray.index.lookup import LookupService
     from kvray.keys import KeySpace
-    from kvray.ledger import Ledger, Seen, block_digest
-    from kvray.lookup import LookupService
 
     space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
     hashes = [bytes([i]) * 16 for i in range(4)]
@@ -163,7 +163,7 @@ def test_misses_are_named_from_the_pools_ledger():
 
 
 def test_ledger_followers_catch_up_and_forget_the_oldest():
-    from kvray.ledger import Ledger, Seen
+    from kvray.index.ledger import Ledger, Seen
 
     S, R = int(Seen.STORED), int(Seen.REMOVED)
     leader, follower = Ledger(capacity=4), Ledger(capacity=4)
@@ -200,7 +200,7 @@ class FakeSsdTiers:
     an actor it cannot find); ``broken`` places fail like a dead actor."""
 
     def __init__(self) -> None:
-        from kvray.lookup import Place
+        from kvray.index.lookup import Place
 
         self.keys: dict[Place, set[str]] = {}
         self.asks: list[Place] = []
@@ -218,7 +218,7 @@ class FakeSsdTiers:
 
 def _ssd_only(space, hashes, where):  # type: ignore[no-untyped-def]
     """Blocks held ONLY on SSD (DRAM evicted): rank r's keys in the tier at where[r]."""
-    from kvray.lookup import LookupService
+    from kvray.index.lookup import LookupService
 
     tiers = FakeSsdTiers()
     for rank, place in where.items():
@@ -228,7 +228,7 @@ def _ssd_only(space, hashes, where):  # type: ignore[no-untyped-def]
 
 
 def test_ssd_places_per_rank_follow_the_workers_placement():
-    from kvray.lookup import Place, ssd_places
+    from kvray.index.lookup import Place, ssd_places
 
     # unknown (Pool API callers, workers that did not say): this node, slot = rank
     assert ssd_places(3, None, "A") == [Place("A", 0), Place("A", 1), Place("A", 2)]
@@ -246,8 +246,8 @@ def test_tp_across_nodes_asks_each_ranks_node():
     rank 1's column misses."""
     import asyncio
 
+    from kvray.index.lookup import Place
     from kvray.keys import KeySpace
-    from kvray.lookup import Place
 
     space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
     hashes = [bytes([i]) * 16 for i in range(3)]
@@ -269,8 +269,8 @@ def test_dp_ranks_on_one_node_ask_the_slot_their_worker_loads_through():
     them (miss, not a hit that fails its load). Before the fix both asked slot 0."""
     import asyncio
 
+    from kvray.index.lookup import Place
     from kvray.keys import KeySpace
-    from kvray.lookup import Place
 
     space = KeySpace("m", "float32-b16-h1x8")
     hashes = [bytes([i]) * 16 for i in range(4)]
@@ -289,8 +289,8 @@ def test_an_unplaced_rank_or_a_failing_tier_is_a_miss_never_a_failed_lookup(capl
     other tiers still count."""
     import asyncio
 
+    from kvray.index.lookup import Place
     from kvray.keys import KeySpace
-    from kvray.lookup import Place
 
     space = KeySpace("m", "float32-b16-h1x8", tp_size=2)
     hashes = [bytes([i]) * 16 for i in range(2)]

@@ -11,8 +11,8 @@ import pytest
 from kvray.backends.base import KeyStatus
 from kvray.backends.memcache import UNAVAILABLE, status_of
 from kvray.config import MemcacheConfig, MemcacheMetaConfig, PoolConfig
+from kvray.config.mmc_conf import KNOWN_KEYS, parse_conf, render_conf
 from kvray.errors import ConfigError
-from kvray.mmc_conf import KNOWN_KEYS, parse_conf, render_conf
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ forgetting dead nodes, hash fingerprints, the ledger's updates."""
 
 from __future__ import annotations
 
-from kvray.ledger import Seen
+from kvray.index.ledger import Seen
 from kvray.pool_state import PoolState
 from kvray.remote import LookupHandle, NodeActors, StoreHandle
 

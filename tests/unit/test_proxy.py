@@ -1,4 +1,4 @@
-"""The PD proxy (kvray/proxy.py) over real HTTP on loopback, against FAKE upstream OpenAI
+"""The PD proxy (kvray/proxy/server.py) over real HTTP on loopback, against FAKE upstream OpenAI
 servers (small aiohttp apps that record what they receive): the proxy's job is the
 routing, which these check. The e2e PD test runs it in front of real vLLM engines."""
 
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvray.proxy import PREFILL_PARAMS, Instance, Pool, Proxy, build, instances, parse_args
+from kvray.proxy.server import PREFILL_PARAMS, Instance, Pool, Proxy, build, instances, parse_args
 
 STATE = web.AppKey("state", dict)
 
@@ -177,7 +177,7 @@ async def test_mixed_serving_with_the_prefix_policy_sends_a_prefix_where_it_is_c
     """Each request to one instance, passed through; the router (its views filled as the
     instances' events would) sends a prompt to the instance whose cache holds it, text
     prompts tokenized by an instance's /tokenize."""
-    from kvray.router import CacheView
+    from kvray.proxy.router import CacheView
 
     log: list = []
     apps = {n: fake_openai(n, log) for n in ("i0", "i1")}

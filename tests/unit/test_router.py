@@ -1,4 +1,4 @@
-"""The proxy's prefix router (kvray/router.py, kvray/router_feeds.py): blocks matched by
+"""The proxy's prefix router (kvray/proxy/router.py, kvray/proxy/feeds.py): blocks matched by
 their tokens from vLLM's KV events, instances scored by their own cache and the pool's,
 the load-imbalance bound, and the subscriptions fed by vLLM's own ZMQ publisher (a gap
 replayed from its replay socket)."""
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvray.router import (
+from kvray.proxy.router import (
     POOL_CPU,
     POOL_STORAGE,
     CacheView,
@@ -167,7 +167,7 @@ def test_feeds_from_vllms_own_publisher_replay_a_missed_batch():
     """vLLM's ZmqEventPublisher connects to the router's bound SUB socket; a batch it sent
     before the router listened is fetched from its replay socket."""
     vk = pytest.importorskip("vllm.distributed.kv_events")
-    from kvray.router_feeds import EventFeeds
+    from kvray.proxy.feeds import EventFeeds
     from kvray.servers.process import free_port
 
     bind, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -205,7 +205,7 @@ def test_feeds_ask_a_listening_pool_for_what_it_holds_at_once(tmp_path):
     the router connects, replays from the start before any new batch, and keeps only the
     topics of ``pool_topic``."""
     vk = pytest.importorskip("vllm.distributed.kv_events")
-    from kvray.router_feeds import EventFeeds
+    from kvray.proxy.feeds import EventFeeds
     from kvray.servers.process import free_port
 
     endpoint, replay = f"ipc://{tmp_path}/pool.sock", f"tcp://127.0.0.1:{free_port()}"

@@ -1,4 +1,4 @@
-"""One rank's DRAM-then-SSD tiers (kvray.tiers) without Ray: both tiers are real
+"""One rank's DRAM-then-SSD tiers (kvray.store.tiers) without Ray: both tiers are real
 stores in this process (the SSD tier's files on the real disk; for the upper tier an
 SSD tier too, or the checksum wrapper over one where a test needs a corrupt block)."""
 
@@ -12,10 +12,10 @@ from kvray.backends.base import KeyStatus
 from kvray.backends.checksum import ChecksummedBackend
 from kvray.backends.ssd import SsdBackend
 from kvray.config import SsdConfig
-from kvray.ledger import Seen, block_digest
-from kvray.rank_store import RankStore
+from kvray.index.ledger import Seen, block_digest
 from kvray.shm import SharedRegion
-from kvray.tiers import TieredStore
+from kvray.store.rank_store import RankStore
+from kvray.store.tiers import TieredStore
 from kvray.transfer import TransferBatch
 
 BLOCK = 64 << 10
@@ -133,7 +133,7 @@ def test_without_a_lower_tier_a_dram_miss_is_a_miss(tmp_path):
 def test_the_index_hears_each_tier_store_remove_and_find_keys_gone(tmp_path):
     """A call given an ``index`` list: what each tier took, what kvray removed, and what a
     load found gone from a tier (DRAM evicted behind kvray's back), each its own entry."""
-    from kvray.index_stream import ADD, GONE, REMOVE
+    from kvray.index.stream import ADD, GONE, REMOVE
 
     region = SharedRegion.create("kvray-test-tiers", 8 * BLOCK)
     dram, ssd = store(tmp_path / "dram"), store(tmp_path / "ssd")

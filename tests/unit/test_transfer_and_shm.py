@@ -156,7 +156,7 @@ def test_concurrent_first_transfers_map_a_region_once(region):
     """Two saves of one new region at once (one per prefill PP stage) map and register it
     once; before the fix each mapped its own copy and the replaced one was unmapped under
     the other's transfer (the BackendClient actor crashed)."""
-    from kvray.rank_store import RankStore
+    from kvray.store.rank_store import RankStore
 
     backend = SlowRegisterBackend()
     store = RankStore(backend, 0)  # type: ignore[arg-type]
@@ -178,7 +178,7 @@ def test_a_registered_region_warms_the_backend_up_with_one_put_it_removes(region
     """The backend's first transfer sets up its connections (Mooncake: up to 400 ms on a
     busy host): one scratch put from the new region, removed at once, pays for it at
     registration instead of an engine's first save. It is not counted as a store."""
-    from kvray.rank_store import RankStore
+    from kvray.store.rank_store import RankStore
 
     backend = SlowRegisterBackend()
     store = RankStore(backend, 3)  # type: ignore[arg-type]
@@ -195,7 +195,7 @@ def test_a_region_is_unmapped_only_after_its_transfers_ended(region):
     the region waits for it: the backend's thread would fault on unmapped pages. Seen:
     an engine killed with saves in flight took its node's BackendClient down (SIGSEGV)."""
     from kvray.backends.base import KeyStatus
-    from kvray.rank_store import RankStore
+    from kvray.store.rank_store import RankStore
 
     backend = SlowRegisterBackend()
     store = RankStore(backend, 0)  # type: ignore[arg-type]
@@ -228,7 +228,7 @@ def test_a_region_is_unmapped_only_after_its_transfers_ended(region):
 def test_sweep_drops_a_dead_creators_region():
     """The store's reconcile loop unmaps and unregisters a region once its creator closed
     it (or died), without any further transfer: the memory goes back to the kernel."""
-    from kvray.rank_store import REGION_SWEEP_S, RankStore
+    from kvray.store.rank_store import REGION_SWEEP_S, RankStore
 
     backend = SlowRegisterBackend()
     store = RankStore(backend, 0)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ Instances (the prefill ones in PD) are chosen round-robin, least-loaded (fewest 
 in flight), or ``prefix``: by what each one's own prefix cache holds (its engine's KV
 events, each engine publishing to ``--kv-events-bind`` on its ``--kv-topics`` entry) and
 what the kvray pool holds (the pool's KV events), within ``--max-imbalance`` requests in
-flight of the least busy instance (kvray/router.py). Every instance's ``/health`` is
+flight of the least busy instance (kvray/proxy/router.py). Every instance's ``/health`` is
 polled, and one that fails is skipped until it answers again. ``GET /health`` reports the
 proxy's view (and the router's counters); ``GET /v1/models`` is passed to an instance.
 """
@@ -38,7 +38,6 @@ import contextlib
 import itertools
 import json
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +45,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvray.router import CacheView, PrefixRouter
-from kvray.router_feeds import EventFeeds
+from kvray.proxy.feeds import EventFeeds
+from kvray.proxy.router import CacheView, PrefixRouter
 
-logger = logging.getLogger("kvray.proxy")
+logger = logging.getLogger("kvray.proxy.server")
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
@@ -480,7 +479,7 @@ def build(args: argparse.Namespace) -> Proxy:
         if args.policy == "prefix":
             pools[0].router, feeds = _router(args, routed, flag)
     except ValueError as exc:
-        raise SystemExit(f"kvray.proxy: {exc}") from None
+        raise SystemExit(f"kvray.proxy.server: {exc}") from None
     return Proxy(
         pools[0],
         pools[1] if len(pools) > 1 else None,
@@ -503,7 +502,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

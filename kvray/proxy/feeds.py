@@ -1,4 +1,4 @@
-"""The router's KV-event subscriptions (kvray/router.py): one thread that reads the
+"""The router's KV-event subscriptions (kvray/proxy/router.py): one thread that reads the
 engines' and the pool's ZMQ streams (vLLM's wire format) into the router's views.
 
 - **Engines** publish to the router: vLLM's publisher connects to a ``tcp://host:port``
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.router import CacheView, apply_batch
+from kvray.proxy.router import CacheView, apply_batch
 from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A pool actor's side of the block-index stream (kvray/index_stream.py): it hands the
+"""A pool actor's side of the block-index stream (kvray/index/stream.py): it hands the
 changes it makes to its node's index keeper before the call that made them returns, and
 queues them for the manager's hub, for the other nodes.
 
@@ -23,10 +23,10 @@ import time
 from functools import partial
 
 from kvray import remote
-from kvray.block_index import key_digests
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
-from kvray.index_stream import IndexChange
+from kvray.index.block_index import key_digests
+from kvray.index.stream import IndexChange
 from kvray.naming import lookup_name
 from kvray.remote import LookupHandle, ManagerHandle, ManagerLink
 from kvray.warn_once import WarnOnce

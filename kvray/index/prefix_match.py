@@ -1,6 +1,6 @@
 """``Pool.prefix_match`` and ``kvray prefix-match``: how many leading blocks of a prefix
 the pool holds, per tier and per node, answered from the manager's copy of the block
-index (kvray/index_stream.py: every store, remove and found eviction its clients report).
+index (kvray/index/stream.py: every store, remove and found eviction its clients report).
 
 A router weighs it against each instance's own prefix cache: an instance with a cold
 device cache on a node whose pool tiers hold the prefix loads it instead of computing it.
@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvray.block_index import DRAM, BlockIndex, space_digests
+from kvray.index.block_index import DRAM, BlockIndex, space_digests
+from kvray.index.lookup import leading_hits
 from kvray.keys import KeySpace
-from kvray.lookup import leading_hits
 
 
 @dataclass(frozen=True)

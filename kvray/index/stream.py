@@ -1,6 +1,6 @@
 """The stream that keeps every node's block index current: each key a pool client stored
 or removed, and in which tier, pushed through the pool manager to the index keeper of
-every node (kvray/block_index.py has the index; issue 27).
+every node (kvray/index/block_index.py has the index; issue 27).
 
 Sources: each BackendClient reports its stores and removes as it makes them, as digests
 of the keys with the tier that took them: the pool's DRAM tier, or the SSD tier of the
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvray.block_index import DRAM, REMOVED, BlockIndex
-from kvray.block_index import GONE as GONE_MARKER
+from kvray.index.block_index import DRAM, REMOVED, BlockIndex
+from kvray.index.block_index import GONE as GONE_MARKER
 
 ADD, REMOVE, GONE = 1, 2, 3
 """A tier took keys; kvray removed them (``Pool.remove``); a load found them gone."""
@@ -53,7 +53,7 @@ DEFAULT_LOG_DIGESTS = 1 << 22
 
 @dataclass(frozen=True, slots=True)
 class IndexChange:
-    """Keys (their :func:`~kvray.block_index.key_digests`, little-endian uint64) that one
+    """Keys (their :func:`~kvray.index.block_index.key_digests`, little-endian uint64) that one
     tier took (``ADD``) or let go (``REMOVE``): the DRAM tier (``slot`` -1), or the SSD
     tier of ``node_id``'s ``slot``."""
 

@@ -1,6 +1,6 @@
 """Prefix-aware routing for kvray's proxy (issue 30): the instance a request goes to, from
 what each instance's own prefix cache holds (its engine's KV events) and what the kvray
-pool holds (the pool's KV events, kvray/kv_events.py), within a bound on load imbalance.
+pool holds (the pool's KV events, kvray/index/kv_events.py), within a bound on load imbalance.
 
 What is cached is learned as vLLM's KV-events consumers learn it: ZMQ PUB batches of
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (vLLM's own types). The engines'

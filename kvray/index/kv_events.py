@@ -6,7 +6,7 @@ vLLM's KV events. One publisher per pool, in the pool's manager, speaks the same
 format for what the *pool* holds:
 
 - **What is stored** comes from the pool's own block index (the manager's
-  :class:`~kvray.index_stream.IndexHub`: every store and remove of every BackendClient,
+  :class:`~kvray.index.stream.IndexHub`: every store and remove of every BackendClient,
   per tier, and what loads found gone), not from the workers' word. A block counts as
   stored in a medium only when every column of its key space (every rank, every layer
   group) is there: ``CPU`` for the pool's DRAM tier, ``STORAGE`` for kvray's SSD tier.
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvray.block_index import DRAM, TIERS, BlockIndex, space_digests
+from kvray.index.block_index import DRAM, TIERS, BlockIndex, space_digests
 from kvray.keys import KeySpace
 
 logger = logging.getLogger(__name__)

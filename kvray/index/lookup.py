@@ -32,8 +32,8 @@ import numpy as np
 
 from kvray.backends.base import Backend
 from kvray.errors import BackendError, KVRayError
+from kvray.index.ledger import Ledger, Seen, block_digest
 from kvray.keys import KeySpace
-from kvray.ledger import Ledger, Seen, block_digest
 from kvray.misses import counter
 from kvray.stats import RankStats
 from kvray.warn_once import WarnOnce

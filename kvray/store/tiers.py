@@ -6,7 +6,7 @@ them; reads try DRAM first and ask the lower tier only for the keys DRAM could n
 serve (missing, a failed transfer, or a block that failed its checksum: the lower
 tier rewrites every byte of the destination). The lower tier is anything with the
 :class:`LowerTier` methods: the SSD offload actor of the same node and slot (through
-:class:`RemoteTier`), or a :class:`~kvray.rank_store.RankStore` in the same process.
+:class:`RemoteTier`), or a :class:`~kvray.store.rank_store.RankStore` in the same process.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvray.backends.base import KeyStatus
-from kvray.index_stream import ADD, GONE, REMOVE
-from kvray.ledger import Entries, Seen, block_digest
-from kvray.rank_store import RankStore
+from kvray.index.ledger import Entries, Seen, block_digest
+from kvray.index.stream import ADD, GONE, REMOVE
 from kvray.remote import StoreHandle
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
+from kvray.store.rank_store import RankStore
 from kvray.transfer import TransferBatch
 
 LOWER_TIER_SERVES = (KeyStatus.NOT_FOUND, KeyStatus.TRANSFER_FAILED, KeyStatus.CORRUPT)
@@ -78,7 +78,7 @@ def _either(upper: Sequence[KeyStatus], lower: Sequence[KeyStatus]) -> list[KeyS
 
 IndexKeys = list[tuple[int, bool, list[str]]]
 """``(ADD, REMOVE or GONE, the lower tier?, keys)``: what the tiers took or let go, for the
-nodes' block indexes (kvray/index_stream.py)."""
+nodes' block indexes (kvray/index/stream.py)."""
 
 
 class TieredStore:

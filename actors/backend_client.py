@@ -16,7 +16,7 @@ from kvray.backends import KeyStatus, make_backend
 from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.index.ledger import FLUSH_S
-from kvray.index.stream import ADD, GONE
+from kvray.index.stream import OP_ADD, OP_GONE
 from kvray.keys import probe_hash
 from kvray.metrics import export_forever
 from kvray.ray_env import normal_priority
@@ -112,14 +112,14 @@ class BackendClientActor:
                 continue
             gone = sweep.checked(keys, present)
             if gone:
-                await self._publish([(GONE, False, gone)])
+                await self._publish([(OP_GONE, False, gone)])
 
     async def _publish(self, keys: IndexKeys | None) -> None:
         if self._index is not None and keys:
             sweep = self._index.sweep
             for op, lower, ks in keys:
                 if sweep is not None and not lower:
-                    (sweep.stored if op == ADD else sweep.dropped)(list(ks))
+                    (sweep.stored if op == OP_ADD else sweep.dropped)(list(ks))
             slot = self._store.rank
             changes = [
                 self._index.changes(op, ks, slot if lower else None) for op, lower, ks in keys

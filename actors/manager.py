@@ -22,7 +22,7 @@ from kvray.index import prefix_match
 from kvray.index.kv_events import CPU, Described, KVEventsHub
 from kvray.index.ledger import Entries
 from kvray.index.prefix_match import PrefixMatch
-from kvray.index.stream import GONE, IndexChange, IndexHub, IndexUpdate
+from kvray.index.stream import OP_GONE, IndexChange, IndexHub, IndexUpdate
 from kvray.keys import KeySpace
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
@@ -274,7 +274,7 @@ class PoolManagerActor:
             present += await client.dram_exists(batch).aresult(self._config.call_timeout_s)
         gone = digests[~np.asarray(present, dtype=bool)]
         if len(gone):
-            change = IndexChange(GONE, gone.astype("<u8").tobytes())
+            change = IndexChange(OP_GONE, gone.astype("<u8").tobytes())
             self._index.record([change])
             self._events.changed([gone])
         return len(gone)

@@ -13,7 +13,7 @@ from kvray import remote
 from kvray.backends import KeyStatus
 from kvray.backends.ssd import SsdBackend
 from kvray.config import PoolConfig
-from kvray.index.stream import ADD, GONE
+from kvray.index.stream import OP_ADD, OP_GONE
 from kvray.keys import probe_hash
 from kvray.metrics import export_forever
 from kvray.ray_env import normal_priority
@@ -59,7 +59,7 @@ class SsdOffloadActor:
             if not self._announce_done:
                 keys = self._tier.keys()
                 if keys:
-                    await self._index.publish([self._index.changes(ADD, keys, self._store.rank)])
+                    await self._index.publish([self._index.changes(OP_ADD, keys, self._store.rank)])
                 self._announce_done = True
 
     async def put(self, batch: TransferBatch, overwrite: bool = False) -> list[KeyStatus]:
@@ -69,7 +69,7 @@ class SsdOffloadActor:
         if self._index is not None:
             evicted = self._tier.take_evicted()
             if evicted:
-                await self._index.publish([self._index.changes(GONE, evicted, self._store.rank)])
+                await self._index.publish([self._index.changes(OP_GONE, evicted, self._store.rank)])
         return statuses
 
     async def get(self, batch: TransferBatch) -> list[KeyStatus]:

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvray.index.block_index import DRAM, REMOVED, BlockIndex
-from kvray.index.block_index import GONE as GONE_MARKER
+from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex
 
-ADD, REMOVE, GONE = 1, 2, 3
-"""A tier took keys; kvray removed them (``Pool.remove``); a load found them gone."""
-MARKER = {REMOVE: REMOVED, GONE: GONE_MARKER}
+OP_ADD, OP_REMOVE, OP_GONE = 1, 2, 3
+"""What a change does: a tier took keys; kvray removed them (``Pool.remove``: marker
+:data:`~kvray.index.block_index.REMOVED`); a load or an eviction found them gone (marker
+:data:`~kvray.index.block_index.GONE`)."""
+MARKER = {OP_REMOVE: REMOVED, OP_GONE: GONE}
 
 INDEX_POLL_S = 1.0
 """A keeper's long poll returns after this long with nothing new (and the index is then
@@ -53,9 +54,9 @@ DEFAULT_LOG_DIGESTS = 1 << 22
 
 @dataclass(frozen=True, slots=True)
 class IndexChange:
-    """Keys (their :func:`~kvray.index.block_index.key_digests`, little-endian uint64) that one
-    tier took (``ADD``) or let go (``REMOVE``): the DRAM tier (``slot`` -1), or the SSD
-    tier of ``node_id``'s ``slot``."""
+    """Keys (their :func:`~kvray.index.block_index.key_digests`, little-endian uint64) that
+    one tier took (``OP_ADD``) or let go (``OP_REMOVE``, ``OP_GONE``): the DRAM tier
+    (``slot`` -1), or the SSD tier of ``node_id``'s ``slot``."""
 
     op: int
     digests: bytes
@@ -122,7 +123,7 @@ class IndexHub:
             bit = self.index.place_bit(node, slot, register=False)
             held = digests[(tiers & np.uint32(bit)) != 0]
             if len(held):
-                changes.append(IndexChange(GONE, held.astype("<u8").tobytes(), node, slot))
+                changes.append(IndexChange(OP_GONE, held.astype("<u8").tobytes(), node, slot))
         self.record(changes)
         return changes
 
@@ -226,7 +227,7 @@ class IndexKeeper:
 
 
 def apply(index: BlockIndex, op: int, bits: int, digests: np.ndarray) -> None:
-    if op == ADD:
+    if op == OP_ADD:
         index.add(digests, bits)
     else:
         index.remove(digests, bits, MARKER[op])

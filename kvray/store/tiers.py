@@ -18,7 +18,7 @@ from typing import Protocol
 
 from kvray.backends.base import KeyStatus
 from kvray.index.ledger import Entries, Seen, block_digest
-from kvray.index.stream import ADD, GONE, REMOVE
+from kvray.index.stream import OP_ADD, OP_GONE, OP_REMOVE
 from kvray.remote import StoreHandle
 from kvray.shm import RegionSpec
 from kvray.stats import RankStats
@@ -77,8 +77,8 @@ def _either(upper: Sequence[KeyStatus], lower: Sequence[KeyStatus]) -> list[KeyS
 
 
 IndexKeys = list[tuple[int, bool, list[str]]]
-"""``(ADD, REMOVE or GONE, the lower tier?, keys)``: what the tiers took or let go, for the
-nodes' block indexes (kvray/index/stream.py)."""
+"""``(OP_ADD, OP_REMOVE or OP_GONE, the lower tier?, keys)``: what the tiers took or let
+go, for the nodes' block indexes (kvray/index/stream.py)."""
 
 
 class TieredStore:
@@ -129,7 +129,7 @@ class TieredStore:
     ) -> list[KeyStatus]:
         if self.lower is None:
             statuses = await self.dram.put(batch, overwrite=overwrite)
-            self._note_index(index, ADD, False, batch.keys, statuses, KeyStatus.OK)
+            self._note_index(index, OP_ADD, False, batch.keys, statuses, KeyStatus.OK)
         else:
             # Write-through to both tiers at once; the caller may reuse its memory when
             # this returns, so the lower tier's write is awaited too.
@@ -139,22 +139,22 @@ class TieredStore:
             )
             self.dram.stats.ssd_put_keys += sum(s is KeyStatus.OK for s in lower)
             statuses = _either(dram, lower)
-            self._note_index(index, ADD, False, batch.keys, dram, KeyStatus.OK)
-            self._note_index(index, ADD, True, batch.keys, lower, KeyStatus.OK)
+            self._note_index(index, OP_ADD, False, batch.keys, dram, KeyStatus.OK)
+            self._note_index(index, OP_ADD, True, batch.keys, lower, KeyStatus.OK)
         self._note(batch.keys, statuses, Seen.STORED)
         return statuses
 
     async def get(self, batch: TransferBatch, *, index: IndexKeys | None = None) -> list[KeyStatus]:
         statuses = await self.dram.get(batch)
         # Keys a load found gone (evicted since they were stored) or removed as corrupt.
-        self._note_index(index, GONE, False, batch.keys, statuses, *_GONE)
+        self._note_index(index, OP_GONE, False, batch.keys, statuses, *_GONE)
         if self.lower is None:
             return statuses
         misses = [i for i, s in enumerate(statuses) if s in LOWER_TIER_SERVES]
         if misses:
             sub = batch.take(misses)
             lower = await self.lower.get(sub)
-            self._note_index(index, GONE, True, sub.keys, lower, *_GONE)
+            self._note_index(index, OP_GONE, True, sub.keys, lower, *_GONE)
             nbytes = sub.key_nbytes()
             for j, (i, s) in enumerate(zip(misses, lower, strict=True)):
                 if s is KeyStatus.OK:
@@ -174,10 +174,10 @@ class TieredStore:
         self, keys: Sequence[str], force: bool = False, *, index: IndexKeys | None = None
     ) -> list[KeyStatus]:
         statuses = await self.dram.remove(keys, force=force)
-        self._note_index(index, REMOVE, False, keys, statuses, *_GONE, KeyStatus.OK)
+        self._note_index(index, OP_REMOVE, False, keys, statuses, *_GONE, KeyStatus.OK)
         if self.lower is not None:
             lower = await self.lower.remove(list(keys), force=force)
-            self._note_index(index, REMOVE, True, keys, lower, *_GONE, KeyStatus.OK)
+            self._note_index(index, OP_REMOVE, True, keys, lower, *_GONE, KeyStatus.OK)
             statuses = _either(statuses, lower)
         self._note(keys, statuses, Seen.REMOVED)
         return statuses

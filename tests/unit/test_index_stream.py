@@ -10,8 +10,7 @@ import asyncio
 import numpy as np
 
 from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex, key_digests
-from kvray.index.stream import ADD, REMOVE, IndexChange, IndexHub, IndexKeeper
-from kvray.index.stream import GONE as GONE_OP
+from kvray.index.stream import OP_ADD, OP_GONE, OP_REMOVE, IndexChange, IndexHub, IndexKeeper
 
 
 def change(op: int, keys: list[str], node: str = "", slot: int = -1) -> IndexChange:
@@ -32,7 +31,7 @@ def test_a_keeper_follows_changes_and_snapshots():
     hub = IndexHub(4096, log_digests=64)
     keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(40)
-    hub.record([change(ADD, k[:20]), change(ADD, k[10:30], "node-b", 2)])
+    hub.record([change(OP_ADD, k[:20]), change(OP_ADD, k[10:30], "node-b", 2)])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))  # first: another epoch, a snapshot
     assert keeper.snapshots == 1 and keeper.seq == hub.seq == 2
     same(hub, keeper, k)
@@ -40,7 +39,7 @@ def test_a_keeper_follows_changes_and_snapshots():
     assert keeper.index.tiers(key_digests(k[15:16])).tolist() == [DRAM | ssd]
 
     # Changes after its position: applied one by one, with the markers of why keys left.
-    hub.record([change(REMOVE, k[:5]), change(GONE_OP, k[5:10]), change(ADD, k[30:], "n", 0)])
+    hub.record([change(OP_REMOVE, k[:5]), change(OP_GONE, k[5:10]), change(OP_ADD, k[30:], "n", 0)])
     update = hub.since(keeper.epoch, keeper.seq)
     assert update.snapshot is None and len(update.changes) == 3
     keeper.apply(update)
@@ -51,7 +50,7 @@ def test_a_keeper_follows_changes_and_snapshots():
 
     # Behind what the log keeps (64 digests): a snapshot again, and the same answers.
     for i in range(10):
-        hub.record([change(ADD, keys(20, 100 + 20 * i))])
+        hub.record([change(OP_ADD, keys(20, 100 + 20 * i))])
     update = hub.since(keeper.epoch, keeper.seq)
     assert update.snapshot is not None
     keeper.apply(update)
@@ -60,7 +59,7 @@ def test_a_keeper_follows_changes_and_snapshots():
 
     # A new hub (the manager restarted): another epoch, so everything is replaced.
     new = IndexHub(4096)
-    new.record([change(ADD, k[:3], "other", 1)])
+    new.record([change(OP_ADD, k[:3], "other", 1)])
     keeper.apply(new.since(keeper.epoch, keeper.seq))
     same(new, keeper, k)
     assert not keeper.index.tiers(key_digests(k[30:])).any()
@@ -71,13 +70,13 @@ def test_a_lost_nodes_ssd_places_leave_the_index_and_the_keepers_follow():
     keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(30)
     hub.record([
-        change(ADD, k[:10]), change(ADD, k[5:15], "node-b", 0),
-        change(ADD, k[12:20], "node-b", 1), change(ADD, k[18:30], "node-c", 0),
+        change(OP_ADD, k[:10]), change(OP_ADD, k[5:15], "node-b", 0),
+        change(OP_ADD, k[12:20], "node-b", 1), change(OP_ADD, k[18:30], "node-c", 0),
     ])  # fmt: skip
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     changes = hub.node_lost("node-b")
     assert [(c.op, c.node_id, c.slot, len(c.digests) // 8) for c in changes] == [
-        (GONE_OP, "node-b", 0, 10), (GONE_OP, "node-b", 1, 8)]  # fmt: skip
+        (OP_GONE, "node-b", 0, 10), (OP_GONE, "node-b", 1, 8)]  # fmt: skip
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     tiers = keeper.index.tiers(key_digests(k))
     c0 = keeper.index.place_bit("node-c", 0, register=False)
@@ -99,7 +98,7 @@ def test_a_long_poll_answers_when_something_is_recorded_or_at_its_limit():
         waiting = asyncio.ensure_future(hub.wait(hub.epoch, 0, 10))
         await asyncio.sleep(0.01)
         assert not waiting.done()
-        hub.record([change(ADD, keys(3))])
+        hub.record([change(OP_ADD, keys(3))])
         got = await asyncio.wait_for(waiting, 1)
         assert got.seq == 1 and len(got.changes) == 1
         np.testing.assert_array_equal(np.frombuffer(got.changes[0][2], "<u8"), key_digests(keys(3)))
@@ -115,7 +114,7 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     hub = IndexHub(4096)
     keeper = IndexKeeper(BlockIndex.create(4096))
     k = keys(10)
-    ours = [change(ADD, k[:5]), change(ADD, k[:5], "node-a", 0)]
+    ours = [change(OP_ADD, k[:5]), change(OP_ADD, k[:5], "node-a", 0)]
     keeper.apply_local(ours)
     assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM] * 5
     # The keeper's first update: a snapshot of the hub from before it got our changes.
@@ -128,7 +127,7 @@ def test_a_keeper_applies_its_own_nodes_changes_at_once_and_again_from_the_strea
     assert keeper.index.tiers(key_digests(k[:5])).tolist() == [DRAM | ssd] * 5
     same(hub, keeper, k)
     # A remove made here and sent to the hub: the same end state either way.
-    gone = IndexChange(REMOVE, key_digests(k[:1]).astype("<u8").tobytes())
+    gone = IndexChange(OP_REMOVE, key_digests(k[:1]).astype("<u8").tobytes())
     keeper.apply_local([gone])
     hub.record([gone])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
@@ -143,11 +142,11 @@ def test_a_hub_update_never_takes_back_a_newer_change_of_this_node():
     keeper = IndexKeeper(BlockIndex.create(4096))
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     k = keys(3)
-    stored = change(ADD, k)
+    stored = change(OP_ADD, k)
     hub.record([stored])
     keeper.apply_local([stored])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
-    removed, again = change(REMOVE, k[:1]), change(ADD, k[:1])
+    removed, again = change(OP_REMOVE, k[:1]), change(OP_ADD, k[:1])
     keeper.apply_local([removed])
     keeper.apply_local([again])
     hub.record([removed])
@@ -167,14 +166,14 @@ def test_a_change_waiting_for_its_place_is_confirmed_by_the_update_that_names_it
     keeper = IndexKeeper(BlockIndex.create(4096))
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     k = keys(2)
-    stored = change(ADD, k, "node-a", 0)
+    stored = change(OP_ADD, k, "node-a", 0)
     keeper.apply_local([stored])  # waits: no bit for node-a's slot 0 yet
     hub.record([stored])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
     bit = keeper.index.place_bit("node-a", 0)
     assert keeper.index.tiers(key_digests(k)).tolist() == [bit] * 2
     assert not keeper._unconfirmed
-    evicted = change(REMOVE, k[:1], "node-a", 0)
+    evicted = change(OP_REMOVE, k[:1], "node-a", 0)
     keeper.apply_local([evicted])
     hub.record([evicted])
     keeper.apply(hub.since(keeper.epoch, keeper.seq))
@@ -242,11 +241,11 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
     monkeypatch.setattr(index_publisher.remote, "find", find)
     monkeypatch.setattr(index_publisher, "LookupHandle", lambda actor, name: actor)
     pub = index_publisher.IndexPublisher(PoolConfig.from_dict({}, environ={}), "node-1", "t")
-    asyncio.run(pub.publish([change(ADD, keys(2))]))  # no keeper yet: the hub brings it
+    asyncio.run(pub.publish([change(OP_ADD, keys(2))]))  # no keeper yet: the hub brings it
     assert len(tries) == 1 and pub._keeper is None and calls == []
-    asyncio.run(pub.publish([change(ADD, keys(2))]))  # within the pause: not looked for
+    asyncio.run(pub.publish([change(OP_ADD, keys(2))]))  # within the pause: not looked for
     assert len(tries) == 1
     asyncio.run(pub.connect())  # asked: looked for at once, one empty call
     assert len(tries) == 2 and isinstance(pub._keeper, Keeper) and calls == [[]]
-    asyncio.run(pub.publish([change(ADD, keys(1))]))
+    asyncio.run(pub.publish([change(OP_ADD, keys(1))]))
     assert len(calls) == 2 and len(tries) == 2  # the next store goes straight to it

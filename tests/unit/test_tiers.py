@@ -133,7 +133,7 @@ def test_without_a_lower_tier_a_dram_miss_is_a_miss(tmp_path):
 def test_the_index_hears_each_tier_store_remove_and_find_keys_gone(tmp_path):
     """A call given an ``index`` list: what each tier took, what kvray removed, and what a
     load found gone from a tier (DRAM evicted behind kvray's back), each its own entry."""
-    from kvray.index.stream import ADD, GONE, REMOVE
+    from kvray.index.stream import OP_ADD, OP_GONE, OP_REMOVE
 
     region = SharedRegion.create("kvray-test-tiers", 8 * BLOCK)
     dram, ssd = store(tmp_path / "dram"), store(tmp_path / "ssd")
@@ -144,16 +144,16 @@ def test_the_index_hears_each_tier_store_remove_and_find_keys_gone(tmp_path):
         fill(region, 4, 1)
         noted: list = []
         await tiers.put(batch(region, keys), index=noted)
-        assert noted == [(ADD, False, keys), (ADD, True, keys)]
+        assert noted == [(OP_ADD, False, keys), (OP_ADD, True, keys)]
         await dram.backend.remove(keys[:2])  # evicted: only a load finds out
         noted = []
         assert await tiers.get(batch(region, keys, first=4), index=noted) == [KeyStatus.OK] * 4
-        assert noted == [(GONE, False, keys[:2])]
+        assert noted == [(OP_GONE, False, keys[:2])]
         await ssd.backend.remove(keys[3:])
         noted = []
         assert await tiers.remove(keys[2:], index=noted) == [KeyStatus.OK] * 2
         # DRAM had both; the SSD tier only k2 (k3 was already gone: gone either way).
-        assert noted == [(REMOVE, False, keys[2:]), (REMOVE, True, keys[2:])]
+        assert noted == [(OP_REMOVE, False, keys[2:]), (OP_REMOVE, True, keys[2:])]
         assert await tiers.get(batch(region, keys)) is not None  # no list: nothing noted
 
     try:

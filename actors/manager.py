@@ -377,8 +377,10 @@ class PoolManagerActor:
         """Every actor this manager made (for shutdown)."""
         return self._state.all_actors()
 
-    async def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> list[dict[str, Any]]:
-        return self._state.register_fingerprint(keys, fp)
+    async def register_fingerprint(
+        self, keys: str, fp: dict[str, Any], engine: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        return self._state.register_fingerprint(keys, fp, engine)
 
     async def ledger_record(self, changes: Entries) -> None:
         """A BackendClient's blocks stored and removed since its last report."""
@@ -438,6 +440,9 @@ class PoolManagerActor:
 
     async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self._state.fingerprints
+
+    async def engines(self) -> list[dict[str, Any]]:
+        return self._state.engine_list()
 
     async def spec(self) -> remote.PoolSpec:
         self._ensure_reconciler()

@@ -118,6 +118,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                     )
                 )
                 findings += doctor.check_fingerprints(status.fingerprints)
+                findings += doctor.check_engines(status.engines)
     print(doctor.report(findings))
     return 1 if any(f.level == "error" for f in findings) else 0
 

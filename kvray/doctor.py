@@ -9,7 +9,7 @@ arguments, so it is cheap and testable; :func:`check_reachable` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvray.backends.registry import spec_of
@@ -138,6 +138,35 @@ def check_fingerprints(status_fingerprints: Mapping[str, Mapping[str, Any]]) -> 
                     "set the same PYTHONHASHSEED and --prefix-caching-hash-algo on every "
                     "instance, then restart the odd ones",
                 )
+            )
+    return out
+
+
+def check_engines(engines: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """What vLLM does with each attached engine's failed loads (its
+    ``kv_load_failure_policy``): under ``fail`` a load the pool cannot serve ends a user's
+    request."""
+    out = []
+    for e in engines:
+        name = f"engine {e.get('engine')} ({e.get('keys')})"
+        policy = e.get("load_failure_policy")
+        if policy == "fail":
+            out.append(
+                Finding(
+                    "warning",
+                    "load failures",
+                    f"{name}: kv_load_failure_policy is 'fail' (vLLM's default)",
+                    "a failed load from the pool (a checksum mismatch, a block gone at load, a "
+                    "lost node) ends the request with an error",
+                    'set "kv_load_failure_policy": "recompute" at the top level of its '
+                    "--kv-transfer-config, then restart it",
+                )
+            )
+        elif policy == "recompute":
+            out.append(Finding("ok", "load failures", f"{name}: a failed load is recomputed"))
+        else:
+            out.append(
+                Finding("warning", "load failures", f"{name}: kv_load_failure_policy {policy!r}")
             )
     return out
 

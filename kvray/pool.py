@@ -552,6 +552,7 @@ async def collect_status(h: launcher.PoolHandles, timeout_s: float = 10.0) -> Po
 
     status.ranks = list(await asyncio.gather(*(one(a) for a in nodes)))
     status.fingerprints = await h.manager.fingerprints().aresult(timeout_s)
+    status.engines = await h.manager.engines().aresult(timeout_s)
     status.server = await h.manager.server_metrics().aresult(timeout_s)
     return status
 

@@ -1,5 +1,5 @@
 """What a pool's manager remembers, without Ray: the node actors it made, the hash
-fingerprints engines registered, and the ledger of stored and removed
+fingerprints and load-failure policies engines registered, and the ledger of stored and removed
 blocks. The PoolManager actor (``actors/manager.py``) is a thin shell around it."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 GONE_NODE_FORGET_S = 300.0
 """How long a dead node's actors stay listed (``kvray status`` shows them "node gone")
 before the manager forgets them; a node that comes back gets new ones (a new node id)."""
+ENGINES_KEPT = 256
+"""Engines a pool lists (``kvray status``, ``kvray doctor``): the most recent attaches."""
 
 
 class PoolState:
@@ -34,6 +36,9 @@ class PoolState:
         self.fingerprints: dict[str, dict[str, dict[str, Any]]] = {}
         """``namespace@layout`` -> hash domain -> how its instances hash blocks (vLLM's
         algorithm, the seed's source) and how many registered it."""
+        self.engines: dict[str, dict[str, Any]] = {}
+        """Engine (``host:pid`` of its scheduler) -> what it registered at attach, newest
+        :data:`ENGINES_KEPT`."""
         self.ledger = Ledger()
         """The blocks the pool's clients stored and removed (what Lookup actors follow to
         name their misses' reasons)."""
@@ -67,14 +72,26 @@ class PoolState:
             logger.info("pool %s: forgot the actors of node %s (gone)", self.pool, node)
         return forgotten
 
-    def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> list[dict[str, Any]]:
-        """An attaching instance's hash fingerprint for keys ``keys`` (``namespace@layout``);
+    def register_fingerprint(
+        self, keys: str, fp: dict[str, Any], engine: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """An attaching instance's hash fingerprint for keys ``keys`` (``namespace@layout``),
+        and the instance itself (``engine``: its name, ``kv_load_failure_policy``, ...);
         answers the other hash domains seen for the same keys (empty: all hash alike)."""
+        if engine is not None:
+            name = str(engine.get("engine", "?"))
+            self.engines[name] = {**engine, "hash_domain": fp.get("hash_domain"), "at": time.time()}
+            while len(self.engines) > ENGINES_KEPT:  # the oldest registration goes
+                del self.engines[min(self.engines, key=lambda k: self.engines[k]["at"])]
         seen = self.fingerprints.setdefault(keys, {})
         entry = seen.setdefault(fp["hash_domain"], {**fp, "instances": 0})
         entry["instances"] += 1
         entry["last_seen"] = time.time()
         return [dict(v) for d, v in seen.items() if d != fp["hash_domain"]]
+
+    def engine_list(self) -> list[dict[str, Any]]:
+        """The engines that attached, oldest first."""
+        return sorted(self.engines.values(), key=lambda e: float(e["at"]))
 
     def ledger_since(self, seq: int) -> tuple[int, Entries, bool, list[str]]:
         """A Lookup actor's update: the ledger's changes after ``seq`` (or all of it), and

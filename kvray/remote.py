@@ -458,8 +458,10 @@ class ManagerHandle(Handle):
     def all_actors(self) -> Call[list[Handle]]:
         return self._call("all_actors")
 
-    def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> Call[list[dict[str, Any]]]:
-        return self._call("register_fingerprint", keys, fp)
+    def register_fingerprint(
+        self, keys: str, fp: dict[str, Any], engine: dict[str, Any] | None = None
+    ) -> Call[list[dict[str, Any]]]:
+        return self._call("register_fingerprint", keys, fp, engine)
 
     def ledger_record(self, changes: Entries) -> Call[None]:
         return self._call("ledger_record", changes)
@@ -493,6 +495,9 @@ class ManagerHandle(Handle):
 
     def fingerprints(self) -> Call[dict[str, dict[str, dict[str, Any]]]]:
         return self._call("fingerprints")
+
+    def engines(self) -> Call[list[dict[str, Any]]]:
+        return self._call("engines")
 
     def server_metrics(self) -> Call[dict[str, float]]:
         return self._call("server_metrics")

@@ -41,6 +41,9 @@ class PoolStatus:
     fingerprints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     """``namespace@layout`` -> hash domain -> how the instances that registered it hash
     blocks; more than one domain for the same keys: those instances never share blocks."""
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    """The engines that attached (oldest first): name (``host:pid``), model, keys, role
+    and ``load_failure_policy`` (what vLLM does when a load from the pool fails)."""
 
     def hash_mismatches(self) -> dict[str, list[dict[str, Any]]]:
         return {k: list(v.values()) for k, v in self.fingerprints.items() if len(v) > 1}
@@ -77,6 +80,7 @@ class PoolStatus:
             "total": self.total.to_dict(),
             "misses": self.total.misses(),
             "fingerprints": self.fingerprints,
+            "engines": self.engines,
             "server": self.server,
         }
 
@@ -172,6 +176,13 @@ class PoolStatus:
             # namespace@layout of every engine that attached: the namespace names the model
             # and its digest (weights, config, KV cache dtype), unless model_namespace set it.
             lines.append("model key spaces: " + ", ".join(sorted(self.fingerprints)))
+        for e in self.engines:
+            policy = str(e.get("load_failure_policy"))
+            says = _POLICY_SAYS.get(policy, f"is handled as {policy!r}")
+            lines.append(
+                f"engine {e.get('engine')} ({e.get('kv_role')}, {e.get('keys')}): "
+                f"a failed load {says}"
+            )
         for keys, domains in self.hash_mismatches().items():
             each = "; ".join(
                 f"{d.get('hash_algo')} seeded by {d.get('seed_source')} "
@@ -184,6 +195,12 @@ class PoolStatus:
                 "and --prefix-caching-hash-algo on all of them"
             )
         return "\n".join(lines)
+
+
+_POLICY_SAYS = {
+    "recompute": "is recomputed (kv_load_failure_policy recompute)",
+    "fail": "ENDS THE REQUEST with an error (kv_load_failure_policy fail, vLLM's default)",
+}
 
 
 def _size_or_dash(n: int) -> str:

@@ -3,7 +3,9 @@
 vLLM's block hashes depend on its hash algorithm and its seed, so two engines of one
 model can disagree silently (0 % hits, never wrong bytes). The scheduler learns its
 engine's fingerprint from the first request on (:mod:`kvray.connector.fingerprint`) and
-registers it with the pool's manager, which answers with the other fingerprints it saw
+registers it with the pool's manager, with what vLLM does with the engine's failed
+loads (its ``kv_load_failure_policy``, listed by ``kvray status`` and ``kvray doctor``),
+which answers with the other fingerprints it saw
 for the same ``namespace@layout``: checked in a later step, never waited for, and a
 mismatch is logged once, naming the fix.
 """
@@ -11,6 +13,8 @@ mismatch is logged once, naming the fix.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +40,9 @@ class HashRegistration:
         self._warn = warn
         self.fingerprint: Fingerprint | None = None
         """How this engine hashes blocks: known from its first request on."""
+        self.load_failure_policy = ""
+        """What vLLM does with this engine's failed loads (known at the workers'
+        handshake, before any request), registered beside the fingerprint."""
         self._call: Call[list[dict[str, Any]]] | None = None
 
     def ensure(self) -> Fingerprint | None:
@@ -50,9 +57,21 @@ class HashRegistration:
                 self._warn("random-seed", "%s", random_seed_message(fp))
             space = self._info.space
             self._call = self._manager.register_fingerprint(
-                f"{space.namespace}@{space.layout}", fp.as_dict()
+                f"{space.namespace}@{space.layout}", fp.as_dict(), self._engine()
             )
         return self.fingerprint
+
+    def _engine(self) -> dict[str, Any]:
+        """This engine as ``kvray status`` and ``kvray doctor`` list it."""
+        info = self._info
+        return {
+            "engine": f"{socket.gethostname()}:{os.getpid()}",
+            "engine_id": info.engine_id,
+            "model": info.model_name,
+            "keys": f"{info.space.namespace}@{info.space.layout}",
+            "kv_role": info.kv_role,
+            "load_failure_policy": self.load_failure_policy or "unknown",
+        }
 
     def check(self) -> None:
         """Once the registration answered: warn about other fingerprints of the model."""

@@ -49,6 +49,9 @@ class InstanceInfo:
     """vLLM's served model name (the pool's KV-events topics name it)."""
     engine_id: str = ""
     """vLLM's ``kv_transfer_config.engine_id`` (``{instance}`` in KV-events topics)."""
+    load_failure_policy: str = "fail"
+    """This connector's own ``kv_load_failure_policy``; the one vLLM applies may be a
+    MultiConnector's (:mod:`kvray.connector.load_policy`)."""
 
     @property
     def can_load(self) -> bool:
@@ -106,9 +109,6 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size, layer_groups)
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
-    # kv_load_failure_policy is not ours to read: vLLM's scheduler applies the top-level
-    # config's (MultiConnector's, when kvray is one of its children) to the block ids
-    # get_block_ids_with_load_errors reports.
     step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     return InstanceInfo(
         cfg,
@@ -124,6 +124,7 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         * max(1, parallel.data_parallel_size_local),
         model_name=_served_name(vllm_config),
         engine_id=str(transfer.engine_id or ""),
+        load_failure_policy=str(transfer.kv_load_failure_policy),
     )
 
 

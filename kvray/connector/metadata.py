@@ -28,6 +28,10 @@ class KVRayHandshake(KVConnectorHandshakeMetadata):
     places: dict[int, Place] = field(default_factory=dict)
     """Instance rank -> the node and slot the worker loads it through: the SSD tier a
     lookup asks for that rank's keys."""
+    load_failure_policy: str = ""
+    """The ``kv_load_failure_policy`` vLLM applies to this connector's failed loads (the
+    top-level config's, read where the worker can reach it:
+    :mod:`kvray.connector.load_policy`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -36,13 +35,16 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
+from kvray.connector.load_policy import FAIL, FAIL_WARNING
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
 from kvray.connector.lookups import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
+from kvray.connector.own_saves import OwnSaves
 from kvray.connector.pd_params import PDParams
 from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
+from kvray.connector.timelines import RequestTimelines
 from kvray.errors import ConfigError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
@@ -57,12 +59,6 @@ if TYPE_CHECKING:
     from kvray.launcher import PoolHandles
 
 logger = logging.getLogger(__name__)
-
-SAVING_KEPT = 1024
-"""Steps whose saves in flight a scheduler remembers (lookups wait for them)."""
-SAVED_KEPT = 1 << 16
-"""Blocks whose ended saves a scheduler remembers for a lookup timeout (about 100 bytes
-each)."""
 
 
 def _ended_in_error(request: Request) -> bool:
@@ -127,23 +123,10 @@ class KVRayScheduler:
         (its failed loads are known then): saves over these blocks wait (plan_saves)."""
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
-        self._saving: dict[bytes, int] = {}
-        """Block hash -> the step that asked for its save, until every rank's saves of that
-        step ended (``StepTimes.saved_through``)."""
-        self._saving_steps: deque[tuple[int, tuple[bytes, ...]]] = deque()
-        """The same, by step (oldest first), to forget them in the order they end."""
-        self._saved_at: dict[bytes, float] = {}
-        """Block hash -> when its save ended, for a lookup timeout after: the node's index
-        shows a store as the store returns, but one whose report to the node's index
-        keeper failed reaches it through the pool's stream, a little later."""
-        self._save_waits: dict[str, tuple[float, int]] = {}
-        """Request -> since when its lookup waits for this instance's own save of the block
-        it missed at, and ``_saves_ended`` when its latest lookup started."""
-        self._save_waits_expired: set[str] = set()
-        """Requests whose wait for this instance's own save ran out (their request line
-        says ``miss=save_in_flight``)."""
-        self._saves_ended = 0
-        """How many step outputs ended saves (a lookup older than one may have missed them)."""
+        self._own_saves = OwnSaves(pool.config.call_timeout_s, self._lookups.timeout_s)
+        """This instance's saves in flight, which its lookups wait for."""
+        self.load_failure_policy = ""
+        """What vLLM does with failed loads (from the workers' handshake)."""
         self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
         """Requests that loaded from the pool and ended with an error this step: (state,
         block count, block ids), reported once the step's failed loads are known (under
@@ -151,14 +134,8 @@ class KVRayScheduler:
         failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
-        self._clocks: dict[str, RequestClock] = {}
-        """Per-request timelines, from first sight to finish."""
+        self._timelines = RequestTimelines(logger)
         self._step = 0
-        self._first_token_steps: dict[int, list[str]] = {}
-        """Step -> requests whose first token that step computes."""
-        self._parked: dict[str, RequestClock] = {}
-        """Finished requests whose first-token step's times are still to come (a request
-        finishes, in vLLM's output handling, before that step's connector output)."""
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
             info.config.pool_name,
@@ -192,6 +169,7 @@ class KVRayScheduler:
             geometries.update(m.geometries)
             places.update(m.places)
         self._use_places(places)
+        self._use_policy({m.load_failure_policy for m in ours} - {""})
         space = self.info.space
         full = tuple(geometries.get(r, "") for r in range(space.world_size))
         self.info = replace(self.info, space=replace(space, geometries=full))
@@ -209,6 +187,20 @@ class KVRayScheduler:
             space.layout,
             ",".join(full),
         )
+
+    def _use_policy(self, policies: set[str]) -> None:
+        """What vLLM does with this instance's failed loads, as its workers read it (the
+        top-level config's: :mod:`kvray.connector.load_policy`): warned about once when
+        it ends requests, and registered with the pool beside the hash fingerprint."""
+        policy = FAIL if FAIL in policies or not policies else policies.pop()
+        self.load_failure_policy = policy
+        self._hashes.load_failure_policy = policy
+        if policy == FAIL:
+            self._warn_once("load-failure-policy", "%s", FAIL_WARNING)
+        else:
+            logger.info(
+                "KVRayConnector: a failed load is recomputed (kv_load_failure_policy %r)", policy
+            )
 
     def _use_places(self, places: dict[int, Place]) -> None:
         """Where each rank's worker loads through (its node and slot): the SSD tier each
@@ -254,17 +246,11 @@ class KVRayScheduler:
         clock = self._clock(request)
         if clock.timeline.lookup_sent_ms is None:
             clock.timeline.lookup_sent_ms = clock.now_ms()
-        waiting = self._save_waits.get(request.request_id)
-        if waiting is not None:
-            self._save_waits[request.request_id] = (waiting[0], self._saves_ended)
+        self._own_saves.lookup_started(request.request_id)
         return pending
 
     def _clock(self, request: Request) -> RequestClock:
-        clock = self._clocks.get(request.request_id)
-        if clock is None:
-            arrival = getattr(request, "arrival_time", None)
-            clock = self._clocks[request.request_id] = RequestClock(arrival)
-        return clock
+        return self._timelines.clock(request)
 
     def on_new_request(self, request: Request) -> None:
         """Start the lookup as the request arrives, so that it is usually answered by the
@@ -330,8 +316,7 @@ class KVRayScheduler:
         external = max(0, hit_tokens - num_computed_tokens)
         pool_blocks = -(-external // self.block_size) if external else 0
         miss = (why or "not_stored") if len(hashes) - local > hit else ""
-        if rid in self._save_waits_expired:  # (the counters keep the index's reason)
-            self._save_waits_expired.discard(rid)
+        if self._own_saves.expired(rid):  # (the counters keep the index's reason)
             miss = miss and "save_in_flight"
         self._admit(
             RequestState(
@@ -343,58 +328,14 @@ class KVRayScheduler:
         return external, self.info.config.load_async
 
     def _awaits_own_save(self, request: Request, block: int) -> bool:
-        """The lookup missed at ``block``, whose save this instance sent and that has not
-        ended yet (the same prompt again, right after its response): ask again once it
-        ended, for at most ``lookup_timeout_ms``, rather than compute a block that is
-        about to be a hit."""
-        rid, hashes = request.request_id, request.block_hashes
-        waiting = self._save_waits.get(rid)
-        now = time.monotonic()
+        """The lookup missed at ``block``: ask again while this instance's own save of it
+        is in flight (:class:`~kvray.connector.own_saves.OwnSaves`)."""
+        hashes = request.block_hashes
         digest = hash_bytes(hashes[block]) if block < len(hashes) else None
-        ended = self._saved_at.get(digest) if digest is not None else None
-        saving = digest in self._saving or (
-            ended is not None and now - ended < self._lookups.timeout_s
-        )
-        # Ended, and this lookup started after it did (else its answer may predate it).
-        if not saving and (waiting is None or waiting[1] == self._saves_ended):
-            self._save_waits.pop(rid, None)
+        if not self._own_saves.awaits(request.request_id, digest):
             return False
-        since = waiting[0] if waiting is not None else now
-        if now - since > self._lookups.timeout_s:
-            self._save_waits.pop(rid, None)
-            self._save_waits_expired.add(rid)
-            return False
-        self._save_waits[rid] = (since, self._saves_ended)
         self.stats.add("lookup_save_waits")
         return True  # the answer is dropped: the next step looks up again
-
-    def _note_saving(self, saves: list[BlockOp]) -> None:
-        """The blocks this step saves, until their saves ended (``_awaits_own_save``)."""
-        hashes = tuple(h for op in saves for h in op.block_hashes)
-        if hashes:
-            self._saving.update(dict.fromkeys(hashes, self._step))
-            self._saving_steps.append((self._step, hashes))
-        if len(self._saving_steps) > SAVING_KEPT:  # the ranks' ends never came
-            self._saves_ended_through(self._saving_steps[0][0])
-
-    def _saves_ended_through(self, step: int) -> None:
-        """Every rank's saves of ``step`` and before ended: their blocks are no longer in
-        flight."""
-        steps, now = self._saving_steps, time.monotonic()
-        saved_at = self._saved_at
-        while saved_at:  # oldest first: forget those ended a lookup timeout ago
-            first = next(iter(saved_at))
-            if now - saved_at[first] < self._lookups.timeout_s and len(saved_at) < SAVED_KEPT:
-                break
-            del saved_at[first]
-        while steps and steps[0][0] <= step:
-            at, hashes = steps.popleft()
-            for h in hashes:
-                if self._saving.get(h) == at:  # not saved again since
-                    del self._saving[h]
-                    saved_at.pop(h, None)
-                    saved_at[h] = now
-        self._saves_ended += 1
 
     def _wait_a_step(self, request: Request) -> tuple[None, bool]:
         """The request sits out this step: its lookup is not answered yet."""
@@ -439,10 +380,7 @@ class KVRayScheduler:
         self._engine_busy = bool(scheduled)
         track_scheduled(self._reqs, scheduler_output)
         self._step += 1
-        for step in [s for s in self._first_token_steps if s < self._step - 1000]:
-            for rid in self._first_token_steps.pop(step):  # no step times ever came
-                self._log_parked(rid)
-        self._stamp_first_token_step(scheduled)
+        self._timelines.step_built(self._step, scheduled, self._reqs)
         for op in self._loads:
             for block_id in op.block_ids:
                 self._unverified[block_id] = self._step
@@ -452,7 +390,7 @@ class KVRayScheduler:
             saves += planned
             if self._describer is not None:
                 self._describer.describe(planned, self._reqs, self.info.space)
-        self._note_saving(saves)
+        self._own_saves.saving(self._step, tuple(h for op in saves for h in op.block_hashes))
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
             for block_id in st.block_ids if st else ():
@@ -467,46 +405,13 @@ class KVRayScheduler:
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
 
-    def _stamp_first_token_step(self, scheduled: dict[str, int]) -> None:
-        """Note the step that completes each request's prompt (it samples the first
-        token) and the prefill steps before it."""
-        for rid in scheduled:
-            st, clock = self._reqs.get(rid), self._clocks.get(rid)
-            if st is None or clock is None or clock.first_step is not None:
-                continue
-            clock.timeline.prefill_steps += 1
-            if st.computed_tokens >= st.request.num_prompt_tokens:
-                clock.first_step = self._step
-                clock.timeline.first_step_built_ms = clock.now_ms()
-                self._first_token_steps.setdefault(self._step, []).append(rid)
-
-    def _take_step_times(self, times: StepTimes) -> None:
-        """A step's output is back: the first tokens it computed are out."""
-        for step in [s for s in self._first_token_steps if s <= times.step]:
-            for rid in self._first_token_steps.pop(step):
-                clock = self._clocks.get(rid) or self._parked.get(rid)
-                if clock is None:
-                    continue
-                tl = clock.timeline
-                tl.first_token_ms = clock.now_ms()
-                if step == times.step:
-                    tl.load_wait_ms, tl.forward_ms = times.load_wait_ms, times.forward_ms
-                    tl.load_served_ms = times.load_served_ms
-                self._log_parked(rid)
-
-    def _log_parked(self, rid: str) -> None:
-        clock = self._parked.pop(rid, None)
-        if clock is not None:
-            self._log_timeline(rid, clock)
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
-            self._take_step_times(times)
+            self._timelines.step_times(times)
             if self._unverified:  # that step's failed loads are in this output
                 self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
-            if self._saving_steps and times.saved_through >= self._saving_steps[0][0]:
-                self._saves_ended_through(times.saved_through)
+            self._own_saves.ended_through(times.saved_through)
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -526,7 +431,7 @@ class KVRayScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._lookups.drop(rid)
-        self._save_waits.pop(rid, None)
+        self._own_saves.forget(rid)
         self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
         if st is not None and self.info.can_save and not _ended_in_error(request):
@@ -538,14 +443,7 @@ class KVRayScheduler:
             self._late_saves += late
             if self._describer is not None:
                 self._describer.describe(late, {rid: st}, self.info.space)
-        clock = self._clocks.pop(rid, None)
-        if clock is not None and st is not None:
-            tl = clock.timeline
-            tl.hit_pool, tl.loaded, _ = st.totals()
-            if clock.first_step is not None and tl.first_token_ms is None:
-                self._parked[rid] = clock  # logged once its first-token step's times came
-            else:
-                self._log_timeline(rid, clock)
+        self._timelines.finished(rid, st)
         if st is None:
             self._release_blocks(rid, block_ids)
             return False, None
@@ -573,36 +471,6 @@ class KVRayScheduler:
             self._release_blocks(rid, block_ids)
             self._log_request(rid, st, total)
         self._errored.clear()
-
-    @staticmethod
-    def _log_timeline(rid: str, clock: RequestClock) -> None:
-        tl = clock.timeline
-        if not logger.isEnabledFor(logging.DEBUG):
-            return
-
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v:.1f}"
-
-        logger.debug(
-            "timeline request_id=%s arrival_lag=%s lookup_sent=%s lookup_answered=%s%s "
-            "lookup_wait_steps=%d admitted=%s first_step_built=%s load_wait=%s "
-            "(served %s) forward=%s "
-            "first_token=%s prefill_steps=%d (ms from first sight)",
-            rid,
-            ms(tl.arrival_lag_ms),
-            ms(tl.lookup_sent_ms),
-            ms(tl.lookup_answered_ms),
-            " (timed out)" if tl.lookup_timed_out else "",
-            tl.lookup_wait_steps,
-            ms(tl.admitted_ms),
-            ms(tl.first_step_built_ms),
-            ms(tl.load_wait_ms),
-            ms(tl.load_served_ms),
-            ms(tl.forward_ms),
-            ms(tl.first_token_ms),
-            tl.prefill_steps,
-            extra={"kvray_timeline": {"request_id": rid, **tl.as_dict()}},
-        )
 
     @staticmethod
     def _log_request(rid: str, st: RequestState, total: int) -> None:

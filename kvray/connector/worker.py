@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.instance import InstanceInfo
+from kvray.connector.load_policy import worker_applied_policy
 from kvray.connector.loads import Loader
 from kvray.connector.metadata import KVRayHandshake, KVRayMetadata
 from kvray.connector.region import KVRegion
@@ -81,6 +82,9 @@ class KVRayWorker:
         """Instance rank -> the geometry part of the keys this worker stores for it."""
         self.places: dict[int, Place] = {}
         """Instance rank -> this worker's node and slot (it loads that rank's keys)."""
+        self.load_failure_policy = info.load_failure_policy
+        """What vLLM does with this connector's failed loads (the top level's, once the KV
+        caches are registered)."""
         self._allocator: SharedKVAllocator | None = None
         self._region: KVRegion | None = None
         self._channel: ChannelStore | None = None
@@ -126,6 +130,8 @@ class KVRayWorker:
         # This node's client of this device/rank: the KV bytes move through shared memory.
         store = self._pool.client(local_rank)
         store.probe().result(60)  # connect now, not on the first load
+        # vLLM made its KV transfer group (the top-level connector) before this call.
+        self.load_failure_policy = worker_applied_policy(self.info.load_failure_policy)
         if not kv_caches:
             raise ConfigError("KVRayConnector: the engine registered no KV cache layers")
         shm = self._allocator.region if self._allocator else None
@@ -171,7 +177,7 @@ class KVRayWorker:
         """What the scheduler side needs of this worker (None before registration)."""
         if not self.geometries:
             return None
-        return KVRayHandshake(dict(self.geometries), dict(self.places))
+        return KVRayHandshake(dict(self.geometries), dict(self.places), self.load_failure_policy)
 
     def _start_transfers(self, handle: StoreHandle, region: KVRegion) -> None:
         store: Transfers = handle

@@ -231,6 +231,8 @@ class FakeManager(ManagerHandle):
         self.other_fingerprints: list[dict[str, Any]] = []
         """What ``register_fingerprint`` answers (the pool's other hash domains)."""
         self.registered: list[tuple[str, dict[str, Any]]] = []
+        self.engines: list[dict[str, Any] | None] = []
+        """What each registration said of its engine (its load-failure policy, ...)."""
         self.fingerprint_calls: list[FakeCall] = []
         self.described: list[Any] = []
         """What ``describe_blocks`` was sent, in order."""
@@ -239,8 +241,11 @@ class FakeManager(ManagerHandle):
         self.described.extend(reports)
         return FakeCall("describe_blocks", None)
 
-    def register_fingerprint(self, keys: str, fp: dict[str, Any]) -> FakeCall:  # type: ignore[override]
+    def register_fingerprint(  # type: ignore[override]
+        self, keys: str, fp: dict[str, Any], engine: dict[str, Any] | None = None
+    ) -> FakeCall:
         self.registered.append((keys, fp))
+        self.engines.append(engine)
         call = FakeCall("FakeManager.register_fingerprint", list(self.other_fingerprints))
         self.fingerprint_calls.append(call)
         return call

@@ -256,8 +256,11 @@ def test_a_save_ended_longer_than_the_lookup_timeout_ago_is_not_waited_for():
     assert matched(s, s.request("r2", 70)) == (0, False)
 
 
-def test_a_save_that_never_ends_is_waited_for_at_most_the_lookup_timeout():
-    s = Sched(lookup_timeout_ms=50)
+def test_a_save_in_flight_is_waited_for_past_the_lookup_timeout_up_to_its_call_timeout():
+    """The lookup timeout bounds a pool that does not answer, not this instance's own save:
+    a save slower than it is still waited for, until the save's call timeout says it
+    failed; then the miss stands and the request line says why."""
+    s = Sched(lookup_timeout_ms=20, pool={"call_timeout_s": 0.3})
     s.lookup.answer = answered(0)
     first = s.request("r1", 70)
     s.sched.get_num_new_matched_tokens(first, 0)
@@ -265,9 +268,42 @@ def test_a_save_that_never_ends_is_waited_for_at_most_the_lookup_timeout():
     s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
     again = s.request("r2", 70)
     assert matched(s, again) == (None, False)
-    time.sleep(0.06)
+    time.sleep(0.1)  # five lookup timeouts: the save is still in flight
+    assert matched(s, again) == (None, False)
+    time.sleep(0.25)  # past the save's call timeout: it failed
     assert matched(s, again) == (0, False)  # computed: a miss
     assert s.sched._reqs["r2"].miss == "save_in_flight"  # its request line says why
+
+
+def handshake(policy: str) -> Any:
+    from kvray.connector.metadata import KVRayHandshake
+
+    from kvray.index.lookup import Place
+    from kvray.keys import geometry_digest
+
+    return KVRayHandshake({0: geometry_digest("p2", ["l0"])}, {0: Place("n", 0)}, policy)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_load_failure_policy_is_warned_about_once_and_registered(policy, caplog):
+    """The workers' handshake says what vLLM does with a failed load: under ``fail`` the
+    scheduler warns once, naming what ends a request and the key to set; either way the
+    policy is registered with the pool beside the hash fingerprint."""
+    s = Sched()
+    with caplog.at_level(logging.INFO, "kvray"):
+        s.sched.use_handshake([handshake(policy)])
+        s.sched.use_handshake([handshake(policy)])
+    warned = [r for r in caplog.records if "kv_load_failure_policy is 'fail'" in r.getMessage()]
+    if policy == "fail":
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+        text = warned[0].getMessage()
+        for named in ("checksum mismatch", "block gone at load", "lost node", '"recompute"'):
+            assert named in text, text
+    else:
+        assert warned == []
+    s.request("r1", 70)  # the first request registers the fingerprint
+    (engine,) = s.pool.manager.engines
+    assert engine is not None and engine["load_failure_policy"] == policy
 
 
 @pytest.mark.parametrize("aborted", [False, True])

@@ -185,3 +185,30 @@ def test_checksums_are_on_by_default_and_their_absence_is_said():
     ):
         (w,) = warnings(doctor.check_pool(pool(**data), {}, HOST), "checksums")
         assert "no checksum trailer" in w.what, w.line()
+
+
+def test_each_attached_engines_load_failure_policy_is_listed():
+    """``kvray doctor`` and ``kvray status`` say, per engine, what a failed load does: under
+    vLLM's default ``fail`` it ends the request, which doctor warns about, naming the key."""
+    from kvray.pool_state import PoolState
+    from kvray.status import PoolStatus
+
+    state = PoolState("p")
+    fp = {"hash_algo": "sha256", "seed_source": "vLLM default", "hash_domain": "d1"}
+    for name, policy in (("h:1", "fail"), ("h:2", "recompute")):
+        engine = {"engine": name, "keys": "m@l", "kv_role": "kv_both",
+                  "load_failure_policy": policy}  # fmt: skip
+        state.register_fingerprint("m@l", fp, engine)
+    engines = state.engine_list()
+    found = doctor.check_engines(engines)
+    assert [(f.level, f.check) for f in found] == [
+        ("warning", "load failures"),
+        ("ok", "load failures"),
+    ]
+    assert "h:1" in found[0].what and '"kv_load_failure_policy": "recompute"' in found[0].fix
+    assert "ends the request" in found[0].why
+    status = PoolStatus("p", "kvray", "mooncake", "127.0.0.1:1", True, 1, engines=engines)
+    table = status.table()
+    assert "engine h:1 (kv_both, m@l): a failed load ENDS THE REQUEST" in table, table
+    assert "engine h:2 (kv_both, m@l): a failed load is recomputed" in table, table
+    assert [e["load_failure_policy"] for e in status.to_dict()["engines"]] == ["fail", "recompute"]

@@ -25,10 +25,13 @@ lint: setup
 	$(VENV)/mypy
 
 # Two xdist workers (a module per unit of work; docs/tests.md, "Two workers"); the 30
-# slowest tests are printed: where the suite's time goes.
+# slowest tests are printed: where the suite's time goes. Then how old each committed
+# benchmark result is (commits since it that touched what it measures), for CI's log
+# only: it never fails the target.
 TEST_WORKERS ?= 2
 test: lint
 	$(VENV)/pytest -q -n $(TEST_WORKERS) --durations=30
+	-$(VENV)/python scripts/report.py --stale
 
 unit: setup
 	$(VENV)/pytest -q tests/unit

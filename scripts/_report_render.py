@@ -1,0 +1,542 @@
+"""The renderers of scripts/report.py, one per kind of result: each reads its JSON files
+under bench-results/ and returns the Markdown of a block, ending with the commit each
+result was measured at."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from _report_format import Results, ci, f, measured_at, meta, pct_ci, ratio_ci, spread, table
+from _stats import paired_difference_ms
+
+LABELS = {
+    "full": "full (no connector)",
+    "local": "ideal (vLLM prefix cache)",
+    "kvray": "kvray",
+    "staged": "kvray staged",
+    "peer": "MooncakeStoreConnector",
+    "nock": "kvray, no checksums",
+    "index": "kvray index",
+    "raycall": "kvray, Ray calls",
+    "actor": "kvray, Lookup actor",
+}
+"""bench_ttft.py's configurations, as the tables name them."""
+
+# --- store -----------------------------------------------------------------------------
+
+STORE_PATHS = (
+    "raw",
+    "raw x4",
+    "kvray",
+    "kvray checksum",
+    "kvray staged",
+    "raw multi",
+    "raw multi x4",
+    "kvray multi",
+    "kvray multi checksum",
+    "memcpy",
+    "memcpy x4",
+)
+
+
+def _vs_raw(gbps: dict[str, dict[str, float]], path: str, op: str) -> str:
+    if not path.startswith("kvray"):
+        return ""
+    shape = ("raw multi", "raw multi x4") if "multi" in path else ("raw", "raw x4")
+    return f"{gbps[path][op] / max(gbps[s][op] for s in shape):.2f}"
+
+
+def render_store(results: Results, names: Sequence[str]) -> str:
+    """bench_store.py: GB/s per path and backend, kvray against the stronger raw path of
+    its shape (one native call, or split over 4 threads)."""
+    runs = [results(n) for n in names]
+    header = ["path"]
+    for run in runs:
+        backend = run["params"]["backend"]
+        header += [f"{backend} put / get GB/s", "vs raw (put / get)"]
+    rows = []
+    for path in STORE_PATHS:
+        row = [path]
+        for run in runs:
+            g = run["gbps"].get(path)
+            if g is None:
+                row += ["-", ""]
+                continue
+            vs = f"{_vs_raw(run['gbps'], path, 'put')} / {_vs_raw(run['gbps'], path, 'get')}"
+            row += [f"{g['put']:.2f} / {g['get']:.2f}", vs if path.startswith("kvray") else ""]
+        rows.append(row)
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_lookup(results: Results, names: Sequence[str]) -> str:
+    """bench_store.py's 1000-block lookup: the node's index as the scheduler probes it,
+    and a call to the node's Lookup actor."""
+    rows = []
+    for name in names:
+        run = results(name)
+        lk = run["lookup_ms"]
+        rows.append(
+            [
+                run["params"]["backend"],
+                f"{lk['index_p50']:.2f} / {lk['index_p99']:.2f}",
+                f"{lk['p50']:.2f} / {lk['p99']:.2f}",
+                f"{lk['ray_call_floor_p50']:.2f}",
+                f"{lk['raw_exists_p50']:.2f}",
+            ]
+        )
+    header = [
+        "backend",
+        "node index p50 / p99 ms",
+        "Lookup actor p50 / p99 ms",
+        "empty Ray call p50 ms",
+        "backend's exists p50 ms",
+    ]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_cross_node(results: Results, names: Sequence[str]) -> str:
+    """bench_store.py --cross-node: gets from another node's segment."""
+    rows = []
+    for name in names:
+        run = results(name)
+        p, g = run["params"], run["gbps"]
+        raw, kv = g["raw_get_cross_node"], g["kvray_get_cross_node"]
+        rows.append(
+            [
+                f"`{name}`",
+                p["transport"],
+                str(p["io_threads"]),
+                f"{raw:.2f}",
+                f"{kv:.2f}",
+                f"{kv / raw:.2f}x",
+            ]
+        )
+    header = ["result", "link", "io_threads", "raw GB/s", "kvray GB/s", "kvray / raw"]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_store_checksum_hit(results: Results, names: Sequence[str]) -> str:
+    """bench_store.py at a hit's size: the connector's multi-piece get with and without
+    checksums, paired per rep."""
+    rows = []
+    for name in names:
+        run = results(name)
+        p, reps = run["params"], run["reps_s"]
+        mib = p["blocks"] * p["block_bytes"] / 2**20
+        plain, checked = reps["kvray multi"]["get"], reps["kvray multi checksum"]["get"]
+        diff = paired_difference_ms(checked, plain)
+        rows.append(
+            [
+                f"{p['blocks']} x {p['block_bytes'] // 2**20} MiB ({mib:.0f} MiB)",
+                f(statistics.median(plain) * 1e3),
+                f(statistics.median(checked) * 1e3),
+                ci(diff),
+            ]
+        )
+    header = [
+        "load",
+        "get ms, no checksums",
+        "get ms, checksums",
+        "difference ms, paired [95 % CI]",
+    ]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_ssd(results: Results, names: Sequence[str]) -> str:
+    """bench_ssd.py: the SSD tier against raw file I/O (writes: the same durability)."""
+    (name,) = names
+    g = results(name)["gbps"]
+    best_read = max(g[p]["read"] for p in ("raw", "raw x4", "raw x4 fsync"))
+    base = {"kvray ssd": "raw x4", "kvray ssd fsync": "raw x4 fsync"}
+    rows = []
+    for path, v in g.items():
+        w = v.get("write")
+        vs = ""
+        if path.startswith("kvray"):
+            vs_w = f"{w / g[base[path]]['write']:.2f}" if path in base and w else "-"
+            vs = f"{vs_w} / {v['read'] / best_read:.2f}"
+        rows.append([path, f(w, 2), f(v["read"], 2), vs])
+    header = ["path", "write GB/s", "read GB/s", "vs raw (write / read)"]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_channel(results: Results, names: Sequence[str]) -> str:
+    """bench_channel.py: a call to the node's BackendClient over the channel and as a
+    Ray actor call."""
+    (name,) = names
+    run = results(name)
+    rows = [
+        [
+            r["call"],
+            f(r["ray_ms"]["p50"], 2),
+            f(r["ray_ms"]["p99"], 2),
+            f(r["channel_ms"]["p50"], 2),
+            f(r["channel_ms"]["p99"], 2),
+            ci(r["channel_minus_ray_ms"], 2),
+        ]
+        for r in run["rows"]
+    ]
+    header = [
+        "call",
+        "Ray p50 ms",
+        "Ray p99 ms",
+        "channel p50 ms",
+        "channel p99 ms",
+        "channel - Ray ms, paired [95 % CI]",
+    ]
+    fl = run["floor_ms"]
+    note = (
+        f"A bare socketpair round trip between two processes: {fl['p50']:.2f} ms p50, "
+        f"{fl['p99']:.2f} ms p99. The BackendClient with a channel attached and no "
+        f"calls: {run['idle_cpu_pct']:.1f} % of a core."
+    )
+    return table(header, rows) + "\n\n" + note + "\n\n" + measured_at(results, names)
+
+
+# --- engines ---------------------------------------------------------------------------
+
+
+def render_ttft(results: Results, names: Sequence[str]) -> str:
+    """bench_ttft.py: medians per configuration (± half the range of the reps), the
+    saving against the ideal, and every paired comparison the run recorded."""
+    (name,) = names
+    run = results(name)
+    configs: list[str] = meta(run)["configs"]
+    rows = run["rows"]
+    paired = [k for k in rows[-1] if isinstance(rows[-1][k], dict) and "ci95" in rows[-1][k]]
+    saving = (
+        [c for c in configs if c not in ("full", "local")]
+        if {"full", "local"} <= set(configs)
+        else []
+    )
+    header = ["input", "hit"] + [f"{LABELS[c]} ms" for c in configs]
+    header += [f"{LABELS[c]} saving" for c in saving]
+    header += [_paired_label(k) for k in paired]
+    out = []
+    for r in rows:
+        med = {c: r[f"ttft_{c}_s"] * 1e3 for c in configs}
+        row = [str(r["input_tokens"]), f"{r['hit_rate']:.0%}"]
+        row += [f"{med[c]:.1f} {spread(r[f'reps_{c}_s'])}" for c in configs]
+        for c in saving:
+            gain = med["full"] - med["local"]
+            row.append(f"{(med['full'] - med[c]) / gain:.2f}" if r["hit_rate"] and gain else "-")
+        for k in paired:
+            d = r.get(k)
+            row.append(_paired_cell(k, d))
+        out.append(row)
+    return table(header, out) + "\n\n" + measured_at(results, names)
+
+
+def _paired_label(key: str) -> str:
+    if key == "checksum_cost":
+        return "checksum cost, paired [95 % CI]"
+    words = key.removesuffix("_ms").replace("_minus_", " - ").replace("local", "ideal")
+    return f"{words} ms, paired [95 % CI]"
+
+
+def _paired_cell(key: str, d: dict[str, Any] | None) -> str:
+    if key == "checksum_cost":
+        return pct_ci(d)
+    return ci(d)
+
+
+def render_layerwise(results: Results, names: Sequence[str]) -> str:
+    """bench_layerwise.py: layer-wise transfers against whole-step ones, per placement."""
+    (name,) = names
+    cols = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
+    rows = []
+    for r in results(name)["rows"]:
+        med = {c: r[c]["median_s"] * 1e3 for c in cols}
+        rows.append(
+            [str(r["input_tokens"]), f"{r['hit_rate']:.0%}"]
+            + [f"{med[c]:.1f} {spread(r[c]['reps_s'])}" for c in cols]
+            + [
+                f"{(med['kvray-lw'] / med['kvray'] - 1) * 100:+.1f} %",
+                f"{(med['staged-lw'] / med['staged'] - 1) * 100:+.1f} %",
+            ]
+        )
+    header = [
+        "input",
+        "hit",
+        "ideal ms",
+        "kvray ms",
+        "kvray layer-wise ms",
+        "staged ms",
+        "staged layer-wise ms",
+        "layer-wise vs whole, shared",
+        "layer-wise vs whole, staged",
+    ]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+PARTS = (
+    "to_lookup",
+    "lookup",
+    "to_step",
+    "load",
+    "load_client",
+    "load_rest",
+    "forward",
+    "after_step",
+    "to_caller",
+)
+
+
+def render_breakdown(results: Results, names: Sequence[str]) -> str:
+    """ttft_breakdown.py: kvray's TTFT split by its timeline, next to the ideal."""
+    runs = [(n, results(n)) for n in names]
+    parts = [p for p in PARTS if any(p in r["parts_ms"] for _, run in runs for r in run["rows"])]
+    header = (
+        (["result"] if len(runs) > 1 else [])
+        + ["input", "hit", "ideal ms", "kvray ms", "excess ms"]
+        + [p.replace("_", " ") for p in parts]
+    )
+    rows = []
+    for n, run in runs:
+        for r in run["rows"]:
+            local, kv = r["local_ttft_ms"], r["kvray_ttft_ms"]
+            row = ([f"`{n}`"] if len(runs) > 1 else []) + [
+                str(r["input_tokens"]),
+                f"{r['hit_rate']:.0%}",
+                f(local),
+                f(kv),
+                f"{kv - local:+.1f}",
+            ]
+            row += [f(r["parts_ms"].get(p), 2) for p in parts]
+            rows.append(row)
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+def render_serve(results: Results, names: Sequence[str]) -> str:
+    """bench_serve.py: ``vllm bench serve`` twice on the same prompts; run 2 is all prefix
+    hits. Per-rep ratios of run 2's mean TTFT against kvray's."""
+    (name,) = names
+    run = results(name)
+    rows = [
+        [
+            t["mode"],
+            f(t["run1_mean_ttft_ms"]),
+            f(t["run2_mean_ttft_ms"]),
+            f(t["run2_p90_ttft_ms"]),
+            f(t["run2_p99_ttft_ms"]),
+            f"±{t['run2_spread']:.0%}",
+            f"{t['run2_hits']}/{t['run2_blocks']}" if t["run2_blocks"] else "-",
+        ]
+        for t in run["table"]
+    ]
+    header = [
+        "mode",
+        "run 1 mean TTFT ms",
+        "run 2 mean TTFT ms",
+        "run 2 P90 ms",
+        "run 2 P99 ms",
+        "run 2 spread",
+        "run 2 blocks loaded from the pool",
+    ]
+    notes = []
+    run2 = {(r["mode"], r["rep"]): r["mean_ttft_ms"] for r in run["runs"] if r["run"] == 2}
+    modes = [t["mode"] for t in run["table"]]
+    reps = sorted({rep for _, rep in run2})
+    for other in (m for m in modes if m != "kvray" and "kvray" in modes):
+        ratios = [run2[("kvray", i)] / run2[(other, i)] for i in reps]
+        below = sum(q <= 1 for q in ratios)
+        notes.append(
+            f"kvray / {other}: median {statistics.median(ratios):.2f}x, "
+            f"at or below 1 in {below} of {len(ratios)} reps"
+        )
+    if "checksum_cost" in run:
+        notes.append(f"the checksum's cost (kvray / nock): {pct_ci(run['checksum_cost'])}")
+    text = table(header, rows)
+    if notes:
+        text += "\n\nRun 2, per rep: " + "; ".join(notes) + "."
+    return text + "\n\n" + measured_at(results, names)
+
+
+def _first_and_repeats(runs: list[dict[str, Any]]) -> tuple[float, float]:
+    first: list[float] = []
+    repeat: list[float] = []
+    for r in runs:
+        seen: set[int] = set()
+        for prefix, ttft in zip(r["prefixes"], r["ttfts_ms"], strict=True):
+            (repeat if prefix in seen else first).append(ttft)
+            seen.add(prefix)
+    return statistics.median(first), statistics.median(repeat)
+
+
+def render_route(results: Results, names: Sequence[str]) -> str:
+    """bench_route.py: kvray's proxy in front of 2 servers, 4 arms, per-rep ratios."""
+    (name,) = names
+    run = results(name)
+    rows = []
+    for t in run["table"]:
+        first, repeats = _first_and_repeats([r for r in run["runs"] if r["arm"] == t["arm"]])
+        rows.append(
+            [
+                t["arm"],
+                f(t["p50_ms"]),
+                f(t["p99_ms"]),
+                ratio_ci(t["p50_vs_local_rr"]),
+                ratio_ci(t["p50_vs_pool_rr"]),
+                f(first, 0),
+                f(repeats, 0),
+            ]
+        )
+    header = [
+        "arm",
+        "p50 TTFT ms",
+        "p99 ms",
+        "p50 / local-rr [95 % CI]",
+        "p50 / pool-rr [95 % CI]",
+        "first asking, median ms",
+        "repeats, median ms",
+    ]
+    return table(header, rows) + "\n\n" + measured_at(results, names)
+
+
+# --- soak ------------------------------------------------------------------------------
+
+
+def render_soak(results: Results, names: Sequence[str]) -> str:
+    """soak.py: the whole summary of one run."""
+    (name,) = names
+    s = results(name)
+    m, req, ttft = s["meta"], s["requests"], s["ttft_s"]
+    kinds = ", ".join(
+        f"{k} {v['injected']}" + (f" ({v['not_shown']} not shown)" if v["not_shown"] else "")
+        for k, v in s["faults_by_kind"].items()
+    )
+    shown = sum(f_["ok"] for f_ in s["faults"])
+    after = ", ".join(f"{k} {v}" for k, v in s["recomputed_after"].items() if k[0] != "(")
+    misses = ", ".join(
+        f"{k} {int(v)}" for k, v in sorted(s["misses"].items(), key=lambda kv: -kv[1]) if v
+    )
+    left = s["left_behind"]
+    left_txt = (
+        f"{len(left['processes'])} processes, {len(left['shm_files'])} `/dev/shm` files, "
+        f"{len(left['files'])} files; {left['driver_sockets']} driver sockets still open (listed)"
+    )
+    rows = [
+        [
+            "load",
+            f"{s['load_s']:.0f} s (`--duration {m['duration']:.0f}`), {m['clients']} clients, "
+            f"{m['prompts']} prompts over {m['prefixes']} prefixes, checksums {m['checksum']}",
+        ],
+        [
+            "requests",
+            f"{req['total']}: **{req['wrong']} with other tokens than the oracle, "
+            f"{req['failed']} failed**, {req['slow']} over `--max-request-s`; "
+            f"worst {req['worst_s']:.2f} s",
+        ],
+        ["faults", f"{len(s['faults'])}, {shown} shown to have taken effect: {kinds}"],
+        [
+            "pool blocks",
+            f"{s['blocks']['hit']} hit at lookup, {s['blocks']['loaded']} loaded, "
+            f"{s['blocks']['recomputed']} recomputed",
+        ],
+        ["recomputed, by the last fault before", after or "-"],
+        ["misses by reason", misses or "none"],
+        ["checksum failures", f"{s['corrupt']['dram']} in DRAM, {s['corrupt']['ssd']} SSD blocks"],
+        [
+            "TTFT",
+            f"p50 {ttft['p50']:.3f} s, p90 {ttft['p90']:.3f} s, p99 {ttft['p99']:.3f} s, "
+            f"worst {ttft['worst']:.3f} s",
+        ],
+        ["left behind", left_txt],
+    ]
+    return table(["", ""], rows) + "\n\n" + measured_at(results, names)
+
+
+# --- the README ------------------------------------------------------------------------
+
+
+def render_headline(results: Results, names: Sequence[str]) -> str:
+    """The README's one table: a row per headline result, each with its commit."""
+    ttft = next(r for r in results("bench_ttft.json")["rows"] if r["hit_rate"] >= 0.9)
+    serve = results("bench_serve.json")
+    run2 = {(r["mode"], r["rep"]): r["mean_ttft_ms"] for r in serve["runs"] if r["run"] == 2}
+    reps = sorted({rep for _, rep in run2})
+
+    def serve_ratio(other: str) -> float:
+        return float(statistics.median(run2[("kvray", i)] / run2[(other, i)] for i in reps))
+
+    store = results("bench_store.json")
+    g, lk = store["gbps"], store["lookup_ms"]
+    raw_get = max(g["raw"]["get"], g["raw x4"]["get"])
+    channel = {r["call"]: r for r in results("bench_channel.json")["rows"]}
+    soak = results("soak.json")
+    route = {t["arm"]: t for t in results("bench_route.json")["table"]}
+
+    def commit(name: str) -> str:
+        return str(meta(results(name))["commit"])
+
+    rows = [
+        [
+            f"TTFT, {ttft['input_tokens']}-token prompt, {ttft['hit_rate']:.0%} of it in the pool",
+            f"kvray {ttft['ttft_kvray_s'] * 1e3:.1f} ms, MooncakeStoreConnector "
+            f"{ttft['ttft_peer_s'] * 1e3:.1f} ms, vLLM's own prefix cache "
+            f"{ttft['ttft_local_s'] * 1e3:.1f} ms "
+            f"(kvray - it, paired: {ci(ttft['kvray_minus_local_ms'])} ms)",
+            "bench_ttft.json",
+        ],
+        [
+            "`vllm bench serve` twice, run 2 all hits: mean TTFT",
+            f"kvray {serve_ratio('peer'):.2f}x MooncakeStoreConnector, {serve_ratio('local'):.2f}x "
+            "vLLM's own prefix cache (medians of per-rep ratios)",
+            "bench_serve.json",
+        ],
+        [
+            "store get, blocks in a shared region",
+            f"{g['kvray']['get']:.2f} GB/s, {g['kvray']['get'] / raw_get:.2f}x "
+            "Mooncake's raw client",
+            "bench_store.json",
+        ],
+        [
+            "lookup of 1000 blocks, as the scheduler sees it",
+            f"p50 {lk['index_p50']:.2f} ms, p99 {lk['index_p99']:.2f} ms (a Lookup actor call: "
+            f"{lk['p50']:.2f} ms p50)",
+            "bench_store.json",
+        ],
+        [
+            "a step's control message to the node's BackendClient",
+            f"{channel['empty']['channel_ms']['p50']:.2f} ms p50 over the node channel, "
+            f"{channel['empty']['ray_ms']['p50']:.2f} ms as a Ray call",
+            "bench_channel.json",
+        ],
+        [
+            "routing: p50 TTFT, prefix router + pool vs round-robin without it",
+            f"{route['pool-router']['p50_vs_local_rr']['median']:.2f}x",
+            "bench_route.json",
+        ],
+        [
+            "soak under every fault kind",
+            f"{soak['requests']['total']} requests in {soak['load_s']:.0f} s, "
+            f"{len(soak['faults'])} faults: {soak['requests']['wrong']} wrong, "
+            f"{soak['requests']['failed']} failed",
+            "soak.json",
+        ],
+    ]
+    out = [[what, value, f"`{name}` at {commit(name)}"] for what, value, name in rows]
+    machine = meta(store)["machine"]
+    return (
+        table(["", "measured", "result, commit"], out)
+        + f"\n\nAll on one machine: {machine}, CPU only."
+    )
+
+
+RENDERERS: dict[str, Callable[[Results, Sequence[str]], str]] = {
+    "store": render_store,
+    "lookup": render_lookup,
+    "cross-node": render_cross_node,
+    "store-checksum-hit": render_store_checksum_hit,
+    "ssd": render_ssd,
+    "channel": render_channel,
+    "ttft": render_ttft,
+    "layerwise": render_layerwise,
+    "breakdown": render_breakdown,
+    "serve": render_serve,
+    "route": render_route,
+    "soak": render_soak,
+    "headline": render_headline,
+}

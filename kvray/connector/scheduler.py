@@ -1,5 +1,5 @@
 """Scheduler side of KVRayConnector: the front vLLM's scheduler hooks call. It admits
-requests with what the pool holds for them (:mod:`kvray.connector.lookups`), plans each
+requests with what the pool holds for them (:mod:`kvray.connector.lookup`), plans each
 step's loads and saves as :class:`~kvray.connector.metadata.KVRayMetadata`
 (:mod:`kvray.connector.request_state`), and follows requests to their finish.
 
@@ -37,7 +37,7 @@ from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
-from kvray.connector.lookups import Lookups, PendingLookup
+from kvray.connector.lookup import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.own_saves import OwnSaves
 from kvray.connector.pd_params import PDParams

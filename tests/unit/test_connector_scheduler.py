@@ -277,7 +277,6 @@ def test_a_save_in_flight_is_waited_for_past_the_lookup_timeout_up_to_its_call_t
 
 def handshake(policy: str) -> Any:
     from kvray.connector.metadata import KVRayHandshake
-
     from kvray.index.lookup import Place
     from kvray.keys import geometry_digest
 

@@ -36,6 +36,7 @@ SMOKE_TESTS = {
     "demo_vllm.py": "tests/e2e/test_scripts.py",
     "device_check.py": "tests/unit/test_device_check.py",
     "pool_job.py": "tests/integration/test_scripts.py",
+    "report.py": "tests/unit/test_docs_rendered.py",
     "soak.py": "tests/e2e/test_soak.py",
     "ttft_breakdown.py": "tests/e2e/test_scripts.py",
 }

@@ -48,7 +48,8 @@ Commands (live):
   ``skip_layer_hooks``: the connector's ``wait_for_layer_load`` is not called (an engine
   without per-layer hooks), for the layer-wise safety test. ``wait_saves``: the engine
   steps until the connector's saves are done before answering. ``reset_prefix_cache``:
-  vLLM's own prefix cache is emptied first, so that a hit can only come from the pool.
+  vLLM's own prefix cache (where the spec turns it on) is emptied first, so that a hit
+  can only come from the pool.
 - ``{"op": "ttft", "prompt": [ids]}`` -> ``{"ttft_s": float, "cached_tokens": int,
   "timelines": [...]}``: one request generating one token, alone in the engine;
   ``cached_tokens`` is vLLM's count of prompt tokens it did not compute.
@@ -433,7 +434,10 @@ def _engine(spec: dict[str, Any]) -> int:
         _Hooks.drop = bool(cmd.get("drop"))
         _Hooks.skip_layer_hooks = bool(cmd.get("skip_layer_hooks"))
         params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
-        if cmd.get("reset_prefix_cache", True) and not llm.reset_prefix_cache():
+        # (With vLLM's prefix cache off there is nothing to empty; a finished request whose
+        # saves are still in flight holds its blocks, and vLLM refuses a reset then.)
+        reset = cmd.get("reset_prefix_cache", True) and spec.get("prefix_caching")
+        if reset and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache (requests still running)")
         t0 = time.perf_counter()
         try:

@@ -48,13 +48,19 @@ def placement(request):  # type: ignore[no-untyped-def]
     return request.param
 
 
-def spec(tiny_model: str, placement: str, *, policy: str = "recompute", **extra) -> dict:  # type: ignore[no-untyped-def]
+def spec(  # type: ignore[no-untyped-def]
+    tiny_model: str, placement: str, *, policy: str = "recompute", defaults: bool = False, **extra
+) -> dict:
     """A shared engine's spec: KVRayConnector in ``placement`` on the module's pool, its
-    drop hook ready (armed per request batch), timelines collected."""
+    drop hook ready (armed per request batch), timelines collected. ``defaults``: the
+    connector's own lookup timeout, not the suite's."""
     extra = {"kv_placement": placement, "model_namespace": NAMESPACE, "load_async": False, **extra}
+    conn = _connector(**extra)
+    if defaults:
+        del conn["extra"]["lookup_timeout_ms"]
     return {
         "model": tiny_model,
-        "connector": {**_connector(**extra), "policy": policy},
+        "connector": {**conn, "policy": policy},
         "drop_hook": True,
         "timelines": True,
     }
@@ -72,10 +78,13 @@ def prompt_set(request):  # type: ignore[no-untyped-def]
 
 
 def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, request, placement):
+    """As users send them: the connector's default lookup timeout, and each prompt sent as
+    soon as the previous answer is back, while its saves may still be in flight (a lookup
+    waits for this instance's own saves): the repeat loads every stored block."""
     p1, p2, _ = prompt_set(request)
-    eng = engines.get(spec(tiny_model, placement))
+    eng = engines.get(spec(tiny_model, placement, defaults=True))
     before = pool.stats().total
-    runs = [eng.generate([p]) for p in (p1, p1, p2)]
+    runs = [eng.generate([p], wait_saves=False) for p in (p1, p1, p2)]
     assert [r["outputs"][0] for r in runs] == reference([p1, p1, p2])
     lines = [line for r in runs for line in r["lines"]]
     assert len(lines) == 3
@@ -93,6 +102,7 @@ def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, r
     assert lines[1]["saved"] == 0
     pool_hit(lines[2], 2)
     assert lines[2]["saved"] == 1
+    eng.call(op="drain")  # the last saves ended: the pool's counters have them
     after = pool.stats().total
     assert after.get_keys - before.get_keys >= 6 and after.put_keys - before.put_keys >= 5
     assert f"{placement} placement" in eng.log(), eng.log()[-3000:]

@@ -1,4 +1,4 @@
-"""Scheduler side of the pool's KV events (issue 30, :mod:`kvray.index.kv_events`): the blocks
+"""Scheduler side of the pool's KV events (:mod:`kvray.index.kv_events`): the blocks
 a step saves, described as vLLM's own ``BlockStored`` would describe them (block hash,
 parent hash, token ids, extra keys such as the cache salt), sent to the pool's manager
 with one call per step that saves, never waited for. The manager announces a block only

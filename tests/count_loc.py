@@ -1,5 +1,6 @@
 """Lines of code in kvray/, actors/ and scripts/ (.py files), docstrings and comments
-excluded (issue 29's rule: the code shrinks). Not a test: run it on two checkouts.
+excluded: what a change meant to shrink the code is measured by. Not a test: run it on
+two checkouts.
 
     python3 tests/count_loc.py .
 """

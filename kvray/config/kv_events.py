@@ -1,4 +1,5 @@
-"""The pool's KV-events publisher (``kv_events``, issue 30; :mod:`kvray.index.kv_events`)."""
+"""Settings of the pool's KV-events publisher (``kv_events``; the publisher is
+:mod:`kvray.index.kv_events`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The node's index of the pool's blocks: what a scheduler reads to answer a lookup, with
-no call to anyone (issue 27, "lookups with no round trip").
+no call to anyone (a lookup runs inside the scheduler's step, which a round trip to
+another process would stall for every request in it).
 
 One table per pool and node, in a shared-memory region: written by one process (the
 node's index keeper, fed the blocks stored, removed and found gone), read by every

@@ -1,4 +1,4 @@
-"""The pool as a router's source of truth: its blocks as vLLM KV events (issue 30).
+"""The pool as a router's source of truth: its blocks as vLLM KV events.
 
 Routers that send a request to where its prefix is cached (llm-d's precise prefix-cache
 scorer, Dynamo's KV router, Ray Serve's prefix-aware router) learn what is cached from

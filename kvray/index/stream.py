@@ -1,6 +1,6 @@
 """The stream that keeps every node's block index current: each key a pool client stored
 or removed, and in which tier, pushed through the pool manager to the index keeper of
-every node (kvray/index/block_index.py has the index; issue 27).
+every node (kvray/index/block_index.py has the index).
 
 Sources: each BackendClient reports its stores and removes as it makes them, as digests
 of the keys with the tier that took them: the pool's DRAM tier, or the SSD tier of the

@@ -1,4 +1,4 @@
-"""Prefix-aware routing for kvray's proxy (issue 30): the instance a request goes to, from
+"""Prefix-aware routing for kvray's proxy: the instance a request goes to, from
 what each instance's own prefix cache holds (its engine's KV events) and what the kvray
 pool holds (the pool's KV events, kvray/index/kv_events.py), within a bound on load imbalance.
 

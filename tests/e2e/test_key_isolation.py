@@ -1,4 +1,4 @@
-"""Engines never load KV that is not theirs (issue 25), on real vLLM engines:
+"""Engines never load KV that is not theirs, on real vLLM engines:
 
 - another block geometry under the same namespace (a 3-layer model forced into the
   2-layer model's ``model_namespace``: same layout tag, other bytes) gets no hit after

@@ -1,4 +1,4 @@
-"""The pool's KV events with a real engine (issue 30): a pool with ``kv_events`` and a
+"""The pool's KV events with a real engine: a pool with ``kv_events`` and a
 vLLM engine saving to it, with vLLM's own KV events on too. A subscriber built from
 vLLM's types reads both streams: the pool's ``BlockStored`` carry the block hashes,
 parents and token ids of the engine's own events for the same blocks; its set of blocks

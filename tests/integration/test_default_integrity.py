@@ -1,5 +1,5 @@
 """With the default config a block whose stored bytes changed inside the pool is a miss or
-an error, never served (issue 25): a flipped byte written back under the same key by a
+an error, never served: a flipped byte written back under the same key by a
 raw client of the backend (kvray's adapter without the checksum wrapper), on the real
 Mooncake master, the real datasystem worker, and in a block file of the SSD tier."""
 

@@ -1,4 +1,4 @@
-"""What a running pool listens on (issue 16, exposure): every socket that starting a pool
+"""What a running pool listens on: every socket that starting a pool
 and using it opens (its embedded server, its node actors, the Ray workers that host them),
 listed from the kernel's table with its process. Everything listens on loopback except
 Mooncake's transfer engine inside each Mooncake client process (BackendClient and Lookup

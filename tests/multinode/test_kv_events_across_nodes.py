@@ -1,4 +1,4 @@
-"""The pool's KV events across a node loss (issue 30): blocks described and stored from
+"""The pool's KV events across a node loss: blocks described and stored from
 both nodes are published; node B dies (its Mooncake segment, and the only copies of the
 blocks stored through it, with it); the manager on A finds B lost, asks the backend about
 the DRAM blocks its events announced, and publishes the gone ones removed. A subscriber

@@ -191,7 +191,7 @@ def test_ledger_followers_catch_up_and_forget_the_oldest():
     assert follower.state(2) is Seen.NEVER and follower.state(17) is Seen.STORED
 
 
-# ---- which SSD tier a lookup asks, per key column (issue 25 item 4) --------------------
+# ---- which SSD tier a lookup asks, per key column --------------------------------------
 
 
 class FakeSsdTiers:

@@ -1,6 +1,7 @@
-"""The layering contract (docs/architecture.md, "Layering"), read from the source: no
-import circles among kvray's modules, and the actor shells imported only by the launcher
-and each other. Every import counts: inside functions, under ``TYPE_CHECKING``, and
+"""The layering contract (docs/architecture.md, "Layering" and "Code map"), read from the
+source: no import circles among kvray's modules, the actor shells imported only by the
+launcher and each other, and the subsystem packages kept apart (``PACKAGE_RULES``).
+Every import counts: inside functions, under ``TYPE_CHECKING``, and
 ``importlib.import_module`` / ``__import__`` of a literal module name. (Ray's own
 boundary is ruff's banned-api rule, TID251 in pyproject.toml.) import-linter would
 read the same graph, but it finds modules by directory, and ``kvray.actors`` is
@@ -9,6 +10,7 @@ setuptools' mapping of the top-level actors/."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +94,50 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+# (importer package, what it must not import, why): each a direction the packages keep.
+PACKAGE_RULES: list[tuple[str, Callable[[str], bool], str]] = [
+    (
+        "kvray.proxy",
+        lambda t: not within(t, "kvray.proxy") and t != "kvray.warn_once",
+        "the routing proxy runs in front of engines, apart from the pool: it imports only "
+        "itself and kvray.warn_once",
+    ),
+    (
+        "kvray.index",
+        lambda t: within(t, "kvray.connector"),
+        "what the pool holds is the pool's side; the engine's connector builds on it",
+    ),
+    (
+        "kvray.store",
+        lambda t: within(t, "kvray.connector"),
+        "a rank's store is the pool's side; the engine's connector builds on it",
+    ),
+    (
+        "kvray.index",
+        lambda t: within(t, "kvray.store"),
+        "the stores publish to the index, the index never reaches into a store",
+    ),
+]
+
+
+def package_breaches(edges: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported: why`` for each edge that breaks a package rule, and for each
+    import of the test harness (kvray.testing) from outside it."""
+    out = []
+    for module, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            for package, forbidden, why in PACKAGE_RULES:
+                if within(module, package) and forbidden(target):
+                    out.append(f"{module} -> {target}: {why}")
+            if within(target, "kvray.testing") and not within(module, "kvray.testing"):
+                out.append(f"{module} -> {target}: the test harness is imported only by tests")
+    return out
+
+
 def test_kvray_has_no_import_circles():
     edges = graph(ROOT)
     assert len(edges) > 90 and "kvray.actors.manager" in edges  # the whole tree was read
@@ -129,4 +175,46 @@ def test_the_check_sees_circles_through_functions_and_importlib(tmp_path):
         ["kvray.a", "kvray.b"],
         ["kvray.c", "kvray.d"],
         ["kvray.e", "kvray.f"],
+    ]
+
+
+def test_the_subsystem_packages_keep_their_direction():
+    edges = graph(ROOT)
+    assert {"kvray.proxy.router", "kvray.index.block_index", "kvray.store.rank_store"} <= set(
+        edges
+    ) and any(within(m, "kvray.testing") for m in edges)  # the packages are where the rules say
+    assert package_breaches(edges) == []
+
+
+def test_the_package_rules_see_each_breach(tmp_path):
+    """A negative control: an import that breaks each rule is found, through a function and
+    a relative import too, and the imports each rule allows pass."""
+    for folder in ("actors", "kvray", "kvray/proxy", "kvray/index", "kvray/store", "kvray/testing"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "kvray" / "warn_once.py").write_text("")
+    (tmp_path / "kvray" / "pool.py").write_text("def f():\n    from kvray.testing import t\n")
+    (tmp_path / "kvray" / "connector.py").write_text("")
+    (tmp_path / "kvray" / "proxy" / "router.py").write_text(
+        "from kvray import warn_once\nfrom . import feeds\nimport kvray.pool\n"
+    )
+    (tmp_path / "kvray" / "proxy" / "feeds.py").write_text("")
+    (tmp_path / "kvray" / "index" / "ledger.py").write_text(
+        "from kvray.keys import x\nfrom ..store import rank_store\n"
+    )
+    (tmp_path / "kvray" / "keys.py").write_text("")
+    (tmp_path / "kvray" / "store" / "rank_store.py").write_text(
+        "from kvray.index import ledger\nimport kvray.connector\n"
+    )
+    (tmp_path / "kvray" / "testing" / "t.py").write_text("from kvray.testing import u\n")
+    (tmp_path / "kvray" / "testing" / "u.py").write_text("import kvray.store.rank_store\n")
+    (tmp_path / "actors" / "shell.py").write_text("import kvray.testing.u\n")
+    assert [b.partition(":")[0] for b in package_breaches(graph(tmp_path))] == [
+        "kvray.actors.shell -> kvray.testing.u",
+        "kvray.index.ledger -> kvray.store",
+        "kvray.index.ledger -> kvray.store.rank_store",
+        "kvray.pool -> kvray.testing",
+        "kvray.pool -> kvray.testing.t",
+        "kvray.proxy.router -> kvray.pool",
+        "kvray.store.rank_store -> kvray.connector",
     ]

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.history_words import HASH, HISTORY
+
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "scripts" / "report.py"
 
@@ -38,8 +40,6 @@ NUMBER = r"[-+±~]?\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?"  # 31.4, +9.0, ~2, 3-7
 MEASUREMENT = re.compile(rf"(?<![\w.#/]){NUMBER}(?:\s?{UNIT}(?![\w/])|x(?!\w))")
 TABLE_UNIT = re.compile(rf"(?<![\w-]){UNIT}(?![\w/])")
 BARE_NUMBER = re.compile(r"^\s*[-+±~]?\d+(?:\.\d+)?\s*$")
-HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
-HISTORY = re.compile(r"(?i)\b(?:issues?|stops?|turns?|sessions?) #?\d+\b|\b20\d\d-\d\d-\d\d\b")
 BLOCK = re.compile(r"<!-- report:[^>]*-->.*?<!-- /report -->", re.S)
 
 

@@ -32,7 +32,7 @@ import subprocess
 import tokenize
 from pathlib import Path
 
-from tests.unit.test_docs_rendered import HASH, HISTORY
+from tests.history_words import HASH, HISTORY
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("kvray", "actors", "tests", "scripts", "configs")

@@ -1,0 +1,12 @@
+"""What the product must not say of itself (the project's history lives in CHANGELOG.md and
+git): one definition, read by the docs check (tests/unit/test_docs_rendered.py) and the
+code check (tests/unit/test_history_words.py)."""
+
+from __future__ import annotations
+
+import re
+
+HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+"""A hand-typed commit hash: 7-40 hex digits as a word, with a digit and a letter."""
+HISTORY = re.compile(r"(?i)\b(?:issues?|stops?|turns?|sessions?) #?\d+\b|\b20\d\d-\d\d-\d\d\b")
+"""kvray's issue numbers, session words ("stop 40") and ISO dates."""

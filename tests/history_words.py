@@ -9,4 +9,4 @@ import re
 HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 """A hand-typed commit hash: 7-40 hex digits as a word, with a digit and a letter."""
 HISTORY = re.compile(r"(?i)\b(?:issues?|stops?|turns?|sessions?) #?\d+\b|\b20\d\d-\d\d-\d\d\b")
-"""kvray's issue numbers, session words ("stop 40") and ISO dates."""
+"""kvray's issue numbers, session words (a stop or turn with its number) and ISO dates."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -19,15 +20,16 @@ from kvray.backends.registry import spec_of
 from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
 from kvray.index import prefix_match
-from kvray.index.kv_events import CPU, Described, KVEventsHub
+from kvray.index.kv_events import Described, KVEventsHub
 from kvray.index.ledger import Entries
+from kvray.index.node_loss import DramClient, NodeLossWatch
 from kvray.index.prefix_match import PrefixMatch
-from kvray.index.stream import OP_GONE, IndexChange, IndexHub, IndexUpdate
+from kvray.index.stream import IndexChange, IndexHub, IndexUpdate
 from kvray.keys import KeySpace
 from kvray.naming import manager_name
 from kvray.pool_state import GONE_NODE_FORGET_S, PoolState
 from kvray.ray_env import normal_priority
-from kvray.remote import Handle, LookupHandle
+from kvray.remote import Handle, LookupHandle, StoreHandle
 from kvray.servers.process import ServerProcess, is_loopback
 from kvray.servers.supervisor import Supervisor
 from kvray.warn_once import WarnOnce
@@ -35,13 +37,6 @@ from kvray.warn_once import WarnOnce
 logger = logging.getLogger(__name__)
 
 RECONCILE_S = 15.0
-NODE_WATCH_S = 2.0
-"""How often a manager with a block index looks for lost nodes."""
-NODE_RECHECK_S = 30.0
-"""A lost node's DRAM copies are checked again this long after the first check (a
-backend may drop a dead client's memory later than Ray declares its node dead)."""
-DRAM_CHECK_BATCH = 4096
-"""Keys per ``exists`` call of that check."""
 
 
 def make_manager(config: PoolConfig, node_id: str, nodes: int, *, take_back: bool) -> Any:
@@ -57,6 +52,18 @@ def make_manager(config: PoolConfig, node_id: str, nodes: int, *, take_back: boo
         scheduling_strategy=placement.on_node(node_id),
     )
     return placement.spawn(PoolManagerActor, opts, config.model_dump_json(), nodes, take_back)
+
+
+class _DramAsk:
+    """A BackendClient, asked by the node watch through its handle with the pool's call
+    timeout."""
+
+    def __init__(self, client: StoreHandle, timeout_s: float) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+
+    def dram_exists(self, keys: list[str]) -> Awaitable[list[bool]]:
+        return self._client.dram_exists(keys).aresult(self._timeout_s)
 
 
 class PoolManagerActor:
@@ -98,6 +105,7 @@ class PoolManagerActor:
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
         self._nodes_at_start = nodes_at_start
         self._events = self._start_events(alive)
+        self._node_watch = self._make_node_watch()
         if take_back or remote.restarted():
             self._take_back(set(alive))
 
@@ -128,6 +136,22 @@ class PoolManagerActor:
             ) from exc
         logger.info("pool %s: KV events on %s (replay %s)", self._config.name, pub, replay)
         return hub
+
+    def _make_node_watch(self) -> NodeLossWatch | None:
+        """The block index's watch for lost nodes (None: no index), on Ray's alive nodes
+        and this manager's clients."""
+        if self._index is None:
+            return None
+        timeout_s = self._config.call_timeout_s
+
+        def clients() -> list[tuple[str, DramClient]]:
+            nodes = sorted(self._state.nodes.items())
+            return [(node, _DramAsk(a.client, timeout_s)) for (node, _), a in nodes]
+
+        async def alive() -> dict[str, str]:
+            return await asyncio.to_thread(remote.alive_nodes)
+
+        return NodeLossWatch(self._config.name, self._index, self._events, alive, clients)
 
     def _take_back(self, alive: set[str]) -> None:
         """After a restart (Ray restarts the manager when it dies on a live node), or
@@ -168,8 +192,8 @@ class PoolManagerActor:
             self._tasks.append(loop.create_task(self._reconcile()))
             if self._supervisor is not None:
                 self._tasks.append(loop.create_task(self._supervisor.run()))
-            if self._index is not None:
-                self._tasks.append(loop.create_task(self._watch_nodes()))
+            if self._node_watch is not None:
+                self._tasks.append(loop.create_task(self._node_watch.run()))
             url = self._server.scrape_url() if self._server is not None else None
             if url is not None:
                 self._tasks.append(loop.create_task(self._export_server(url)))
@@ -210,74 +234,6 @@ class PoolManagerActor:
                 await self._forget_gone_nodes(GONE_NODE_FORGET_S)
             except Exception:
                 logger.exception("pool %s: reconcile pass failed", self._config.name)
-
-    async def _watch_nodes(self) -> None:
-        """Reconcile the block index with a lost node, once each: its SSD places go, and
-        (with ``kv_events``) the announced DRAM blocks the backend no longer holds (their
-        copies were in the node's memory) are found gone, so the nodes' indexes and the
-        pool's events stop showing them."""
-        assert self._index is not None, "a node watch without a block index (kvray's bug)"
-        handled: set[str] = set()
-        while True:
-            await asyncio.sleep(NODE_WATCH_S)
-            try:
-                alive = await asyncio.to_thread(remote.alive_nodes)
-                known = {n for n, _ in self._state.nodes} | {
-                    n for n, _ in self._index.index.places()
-                }
-                for node in sorted(known - set(alive) - handled):
-                    handled.add(node)
-                    await self._index_node_lost(node, alive)
-                    if self._events is not None:
-                        loop = asyncio.get_running_loop()
-                        self._tasks.append(loop.create_task(self._recheck_dram(node, alive)))
-            except Exception:
-                logger.exception("pool %s: node watch pass failed", self._config.name)
-
-    async def _index_node_lost(self, node: str, alive: dict[str, str]) -> None:
-        assert self._index is not None, "a node reconcile without a block index (kvray's bug)"
-        changes = self._index.node_lost(node)
-        ssd = sum(len(c.digests) // 8 for c in changes)
-        dram = await self._drop_gone_dram(alive)
-        if self._events is not None and changes:
-            self._events.changed([np.frombuffer(c.digests, dtype="<u8") for c in changes])
-        logger.warning(
-            "pool %s: node %s lost: %d entries of its SSD tiers left the block index; %d "
-            "announced DRAM keys found gone",
-            self._config.name, node[:12], ssd, dram,
-        )  # fmt: skip
-
-    async def _recheck_dram(self, node: str, alive: dict[str, str]) -> None:
-        await asyncio.sleep(NODE_RECHECK_S)
-        try:
-            if dram := await self._drop_gone_dram(alive):
-                logger.warning("pool %s: %d more DRAM keys found gone after node %s was lost",
-                               self._config.name, dram, node[:12])  # fmt: skip
-        except Exception:
-            logger.exception("pool %s: DRAM recheck failed", self._config.name)
-
-    async def _drop_gone_dram(self, alive: dict[str, str]) -> int:
-        """The DRAM keys of the blocks the pool's events announce that the backend no
-        longer holds, recorded gone (published removed); how many. Asked through a
-        client on a live node, in batches."""
-        if self._events is None or self._index is None:
-            return 0
-        digests, keys = self._events.keys_in(CPU)
-        client = next(
-            (a.client for (n, _), a in sorted(self._state.nodes.items()) if n in alive), None
-        )
-        if not keys or client is None:
-            return 0
-        present: list[bool] = []
-        for i in range(0, len(keys), DRAM_CHECK_BATCH):
-            batch = keys[i : i + DRAM_CHECK_BATCH]
-            present += await client.dram_exists(batch).aresult(self._config.call_timeout_s)
-        gone = digests[~np.asarray(present, dtype=bool)]
-        if len(gone):
-            change = IndexChange(OP_GONE, gone.astype("<u8").tobytes())
-            self._index.record([change])
-            self._events.changed([gone])
-        return len(gone)
 
     async def _forget_gone_nodes(self, after_s: float) -> list[str]:
         """Drop the actors of nodes Ray has reported dead for ``after_s``; returns them."""
@@ -463,6 +419,8 @@ class PoolManagerActor:
         )
 
     async def stop(self) -> None:
+        if self._node_watch is not None:
+            self._node_watch.close()
         if self._events is not None:
             await asyncio.to_thread(self._events.close)
         if self._supervisor is not None:

@@ -1,5 +1,6 @@
-"""The backend registry (kvray.backends.registry): one row per backend, and the places
-that used to branch on the backend's name answer from it."""
+"""The backend registry (kvray.backends.registry): one row per backend, which every place
+that needs a backend's server, addresses, environment or device setting asks, instead of
+branching on the backend's name."""
 
 from __future__ import annotations
 

@@ -242,8 +242,8 @@ def test_ssd_places_per_rank_follow_the_workers_placement():
 def test_tp_across_nodes_asks_each_ranks_node():
     """TP=2, rank 0 on node A slot 0, rank 1 on node B slot 0 (the Lookup actor runs on
     A): rank 1's SSD blocks are on B's disk. Asked where each worker loads through, all
-    hit; asked as before the fix (this node, slot = rank: A's slot 1, which has no tier),
-    rank 1's column misses."""
+    hit; asked without the placement (this node, slot = rank: A's slot 1, which has no
+    tier), rank 1's column misses."""
     import asyncio
 
     from kvray.index.lookup import Place
@@ -259,14 +259,15 @@ def test_tp_across_nodes_asks_each_ranks_node():
     assert service.ssd_asks == {Place("A", 0): 1, Place("B", 0): 1}
     tiers.asks.clear()
     assert asyncio.run(service.lookup(space, hashes, 1.0)) == (0, "partial_ranks")
-    assert sorted(tiers.asks) == [Place("A", 0), Place("A", 1)]  # the old choice
+    assert sorted(tiers.asks) == [Place("A", 0), Place("A", 1)]  # this node, slot = rank
 
 
 def test_dp_ranks_on_one_node_ask_the_slot_their_worker_loads_through():
     """DP=2, TP=1 on one GPU node: DP rank 1's worker is TP rank 0 but loads through slot
     1 (vLLM's local rank of DP rank 1). Blocks it stored sit in slot 1's SSD tier: its
     lookup must ask slot 1 (hit), DP rank 0's must ask slot 0, whose worker could not load
-    them (miss, not a hit that fails its load). Before the fix both asked slot 0."""
+    them (miss, not a hit that fails its load). Asking by TP rank alone, both would ask
+    slot 0."""
     import asyncio
 
     from kvray.index.lookup import Place

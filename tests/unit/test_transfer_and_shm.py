@@ -154,8 +154,8 @@ class SlowRegisterBackend:
 
 def test_concurrent_first_transfers_map_a_region_once(region):
     """Two saves of one new region at once (one per prefill PP stage) map and register it
-    once; before the fix each mapped its own copy and the replaced one was unmapped under
-    the other's transfer (the BackendClient actor crashed)."""
+    once: were each to map its own copy, the replaced one would be unmapped under the
+    other's transfer (the BackendClient actor crashes)."""
     from kvray.store.rank_store import RankStore
 
     backend = SlowRegisterBackend()

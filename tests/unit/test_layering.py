@@ -51,7 +51,10 @@ def imported(module: str, path: Path) -> set[str]:
 
 def graph(root: Path) -> dict[str, set[str]]:
     """Module -> the kvray modules it imports (not its own packages: Python imports those
-    first anyway)."""
+    first anyway, and their imports are checked as theirs). So a package rule holds for
+    the package's modules as written; what its ancestors' ``__init__`` imports comes too
+    at run time (``kvray/__init__.py`` re-exports the Pool API, so importing kvray.proxy
+    loads kvray.pool and Ray)."""
     mods = modules(root)
 
     def resolve(name: str) -> str | None:

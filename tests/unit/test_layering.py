@@ -52,9 +52,8 @@ def imported(module: str, path: Path) -> set[str]:
 def graph(root: Path) -> dict[str, set[str]]:
     """Module -> the kvray modules it imports (not its own packages: Python imports those
     first anyway, and their imports are checked as theirs). So a package rule holds for
-    the package's modules as written; what its ancestors' ``__init__`` imports comes too
-    at run time (``kvray/__init__.py`` re-exports the Pool API, so importing kvray.proxy
-    loads kvray.pool and Ray)."""
+    the package's modules as written; an ancestor's ``__init__`` runs too, which is why
+    ``kvray/__init__.py`` loads its public names lazily (test_a_subsystem_imports_alone)."""
     mods = modules(root)
 
     def resolve(name: str) -> str | None:
@@ -221,3 +220,23 @@ def test_the_package_rules_see_each_breach(tmp_path):
         "kvray.proxy.router -> kvray.pool",
         "kvray.store.rank_store -> kvray.connector",
     ]
+
+
+def test_a_subsystem_imports_alone():
+    """kvray's package loads its public names on first use: importing the routing proxy
+    (a process of its own) loads neither the Pool API nor Ray, and ``from kvray import
+    Pool`` still works."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvray.proxy.server\n"
+        "print(sorted(m for m in ('ray', 'kvray.pool', 'kvray.launcher') if m in sys.modules))\n"
+        "from kvray import Pool, PoolConfig\n"
+        "print(Pool.__module__, PoolConfig.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
+    assert out[0] == "[]", out
+    assert out[1] == "kvray.pool kvray.config.pool", out

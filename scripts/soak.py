@@ -43,151 +43,52 @@ A CI-sized run (tests/e2e/test_soak.py) is this same run with smaller arguments.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import log as common_log  # noqa: E402
 from _engines import kvray_transfer_config, run_meta  # noqa: E402
 from _soak_faults import FAULTS, HOLDS, FaultNotShown, Faults  # noqa: E402
+from _soak_load import block_keys, completion, make_prompts, serve, server_metrics  # noqa: E402
+from _soak_oracle import oracle_tokens  # noqa: E402
+from _soak_report import (  # noqa: E402
+    Row,
+    blocks_by_fault,
+    open_descriptors,
+    per_window,
+    percentiles,
+    print_report,
+    shm_entries,
+)
 
-from kvray.testing.server import Server, vllm_serve_cmd  # noqa: E402
-
-BLOCK = 128  # vLLM's CPU block size for the tiny model
 NAMESPACE = "soak"
-if TYPE_CHECKING:
-    from kvray.keys import KeySpace
-
-Row = dict[str, Any]
-"""One request, or one fault, as the JSON keeps it."""
+MEASURES = (
+    "kvray",
+    "actors",
+    "scripts/_engines.py",
+    "scripts/_common.py",
+    "scripts/soak.py",
+    "scripts/_soak_faults.py",
+    "scripts/_soak_load.py",
+    "scripts/_soak_oracle.py",
+    "scripts/_soak_report.py",
+)
+"""What the soak's result depends on (``scripts/report.py --stale``)."""
 
 
 def log(msg: str) -> None:
     common_log(msg, stamp=True)
-
-
-def serve(name: str, model: str, extra: list[str], env: dict[str, str], tmp: Path) -> Server:
-    """vLLM's OpenAI server (sha256 block hashes, as the soak's oracle computes them)."""
-    from kvray.servers.process import free_port
-
-    port = free_port()
-    cmd = vllm_serve_cmd(model, port, "--prefix-caching-hash-algo", "sha256", *extra)
-    return Server(name, cmd, env, tmp / f"{name}.log", port=port)
-
-
-def server_metrics(server: Server) -> str:
-    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
-        return str(r.read().decode())
-
-
-def completion(
-    port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float
-) -> tuple[list[int], float | None, float, str]:
-    """A streaming completion: ``(tokens, ttft_s, total_s, response id)``."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "return_token_ids": True}  # fmt: skip
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    started = time.monotonic()
-    ttft: float | None = None
-    tokens: list[int] = []
-    rid = ""
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(f"the server failed the request: {event['error']}")
-            rid = event.get("id", rid)
-            for choice in event.get("choices", []):
-                ids = choice.get("token_ids") or []
-                if ids and ttft is None:
-                    ttft = time.monotonic() - started
-                tokens.extend(ids)
-    return tokens, ttft, time.monotonic() - started, rid
-
-
-def make_prompts(prefixes: int, suffixes: int, seed: int) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(prefixes):
-        prefix = rng.integers(3, 1000, int(rng.integers(2, 6)) * BLOCK).tolist()
-        for _ in range(suffixes):
-            out.append(
-                prefix + rng.integers(3, 1000, int(rng.integers(BLOCK // 2, 2 * BLOCK))).tolist()
-            )
-    return out
-
-
-def block_keys(prompt: list[int], space: KeySpace) -> list[str]:
-    """The pool keys of a prompt's full blocks in the connector's key ``space`` (vLLM's
-    sha256 block hashes with its default seed)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils as kcu
-
-    fn = get_hash_fn_by_name("sha256")
-    if getattr(kcu, "NONE_HASH", None) is None:
-        kcu.init_none_hash(fn)
-    hashes, parent = [], None
-    for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
-        parent = kcu.hash_block_tokens(fn, parent, prompt[start : start + BLOCK], None)
-        hashes.append(bytes(parent))
-    return space.lookup_key_strs(hashes)
-
-
-def _per_window(faults: list[Row], at: list[int], end: int) -> dict[str, int]:
-    """How much a counter grew between each fault and the next, summed per fault kind
-    (before the first fault: ``(no fault yet)``)."""
-    out = {"(no fault yet)": at[0] if at else end}
-    marks = [*at, end]
-    for i, fault in enumerate(faults):
-        out[fault["kind"]] = out.get(fault["kind"], 0) + marks[i + 1] - marks[i]
-    return out
-
-
-def _fd_targets() -> set[str]:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            out.add(os.readlink(f"/proc/self/fd/{fd}"))
-    return out
-
-
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def percentiles(values: list[float]) -> dict[str, float | int | None]:
-    """``n``, p50, p90, p99 and the worst of ``values`` (None without any)."""
-    v = sorted(values)
-
-    def at(q: float) -> float | None:
-        return round(v[min(len(v) - 1, int(q * len(v)))], 4) if v else None
-
-    p50 = round(statistics.median(v), 4) if v else None
-    return {"n": len(v), "p50": p50, "p90": at(0.9), "p99": at(0.99), "worst": at(1.0)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,53 +163,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _model_digest(model: str) -> str:
-    """sha256 of a model directory's files (names and bytes): a cached oracle is only
-    as good as the model it came from."""
-    h = hashlib.sha256()
-    root = Path(model)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def oracle_tokens(
-    model: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    env: dict[str, str],
-    tmp: Path,
-    cache: Path | None,
-) -> tuple[list[list[int]], str]:
-    """Every prompt's greedy tokens from a server without a connector, and where they came
-    from: ``cache`` holds them for the same model files, prompts and ``max_tokens`` (a
-    second run, e.g. the other checksum mode, skips the baseline server), else they are
-    computed (and written there)."""
-    key = {
-        "model": _model_digest(model) if cache is not None else "",
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "max_tokens": max_tokens,
-    }
-    if cache is not None and cache.exists():
-        saved = json.loads(cache.read_text())
-        if saved.get("key") == key:
-            return saved["tokens"], f"read from {cache}"
-    base = serve("baseline", model, [], env, tmp)
-    try:
-        base.wait_healthy(time.monotonic() + 600)
-        tokens = [completion(base.port, model, p, max_tokens, 300)[0] for p in prompts]
-    finally:
-        base.stop(grace_s=90)
-    if cache is None:
-        return tokens, "computed"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"key": key, "tokens": tokens}))
-    return tokens, f"computed, written to {cache}"
-
-
 def inject(faults: Faults, kind: str, at_s: float, hold_s: float) -> Row:
     """One fault, held and undone where it holds: its record (``ok``: its effect shown)."""
     started = time.monotonic()
@@ -371,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     # This process's descriptors are compared from here (Ray's driver keeps its own log
     # files and sockets after ray.shutdown(): Ray's, not this run's) to after the pool's
     # shutdown.
-    fds_before, fd_targets_before = len(os.listdir("/proc/self/fd")), _fd_targets()
+    fds_before, fd_targets_before = len(os.listdir("/proc/self/fd")), open_descriptors()
     ssd_dir = tmp / "ssd"
     ssd_dir.mkdir()
     pool = Pool.start(PoolConfig.from_dict({
@@ -491,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         # memory file's descriptor) until the collector runs. A hold still reachable
         # after this is a leak, and is reported.
         gc.collect()
-        fds_after, fd_targets = len(os.listdir("/proc/self/fd")), _fd_targets() - fd_targets_before
+        fds_after = len(os.listdir("/proc/self/fd"))
+        fd_targets = open_descriptors() - fd_targets_before
         ray.shutdown()
     load_s = time.monotonic() - t0
 
@@ -517,23 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(
             f"never injected: {', '.join(never)} (lengthen --max-duration or shorten --fault-every)"
         )
-    # The engine's request id is the response's id plus a suffix: a prefix lookup in the
-    # sorted ids (one bisect per request, not a scan of every line).
-    ids = sorted(lines)
-    recomputed: dict[str, int] = {k: 0 for k in ["(no fault yet)", *kinds]}
-    hit = loaded = failed = 0
-    for r in results:
-        rid = r.get("id") or ""
-        at = bisect.bisect_left(ids, rid) if rid else len(ids)
-        line = lines[ids[at]] if at < len(ids) and ids[at].startswith(rid) else None
-        if line is None:
-            continue
-        hit += line.get("hit_pool", 0)
-        loaded += line.get("loaded", 0)
-        failed += line.get("failed", 0)
-        end = r["start_s"] + r["total_s"]
-        before = [f["kind"] for f in fault_log if f["at_s"] <= end]
-        recomputed[before[-1] if before else "(no fault yet)"] += line.get("failed", 0)
+    blocks, recomputed = blocks_by_fault(results, fault_log, lines, kinds)
     missed = r'vllm:kvray_missed_blocks_total\{[^}]*reason="(\w+)"[^}]*\} ([0-9.e+]+)'
     misses = {m.group(1): float(m.group(2)) for m in re.finditer(missed, metrics)}
     time.sleep(1)
@@ -569,13 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_s": percentiles([r["ttft_s"] for r in results if r.get("ttft_s") is not None]),
         "faults": fault_log,
         "faults_by_kind": by_kind,
-        "blocks": {"hit": hit, "loaded": loaded, "recomputed": failed},
+        "blocks": blocks,
         "recomputed_after": recomputed,
         "misses": misses,
         "corrupt": {
             "dram": pool_stats.total.get_corrupt,
             "ssd": pool_stats.total.ssd_corrupt,
-            "dram_after": _per_window(fault_log, corrupt_at, pool_stats.total.get_corrupt),
+            "dram_after": per_window(fault_log, corrupt_at, pool_stats.total.get_corrupt),
         },
         "left_behind": {
             "processes": leftover_procs,
@@ -599,59 +438,6 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
             print(f"wrote {path}")
     return 1 if failures else 0
-
-
-def print_report(s: Row) -> None:
-    m, req, ttft = s["meta"], s["requests"], s["ttft_s"]
-    print()
-    print(
-        f"soak: {s['load_s']:.0f} s of load, {m['clients']} clients, {m['prompts']} prompts, "
-        f"a fault every ~{m['fault_every']:g} s, checksum {m['checksum']}"
-    )
-    print(
-        f"  requests            {req['total']} ({req['wrong']} wrong, {req['failed']} failed, "
-        f"{req['slow']} over {m['max_request_s']:g} s)"
-    )
-    b = s["blocks"]
-    print(
-        f"  pool blocks         {b['hit']} hit at lookup, {b['loaded']} loaded, "
-        f"{b['recomputed']} recomputed"
-    )
-    print(
-        "  faults              "
-        + ", ".join(
-            f"{k} x{n['injected']}" + (f" ({n['not_shown']} NOT SHOWN)" if n["not_shown"] else "")
-            for k, n in s["faults_by_kind"].items()
-        )
-    )
-    for f in s["faults"]:
-        shown = f["what"] if f["ok"] else f"NOT SHOWN: {f['error']}"
-        print(f"    {f['at_s']:7.1f} s {f['kind']:<13} {shown}")
-    print(
-        "  recomputed after    " + ", ".join(f"{k} {n}" for k, n in s["recomputed_after"].items())
-    )
-    print(
-        "  misses by reason    "
-        + (", ".join(f"{k} {int(v)}" for k, v in s["misses"].items() if v) or "none")
-    )
-    if ttft["n"]:
-        print(
-            f"  TTFT s              p50 {ttft['p50']:.3f}  p90 {ttft['p90']:.3f}  "
-            f"p99 {ttft['p99']:.3f}  worst {ttft['worst']:.3f}"
-        )
-    print(f"  worst request s     {req['worst_s']:.3f}")
-    c = s["corrupt"]
-    print(f"  corrupt blocks      {c['dram']} (DRAM checksums), {c['ssd']} (SSD)")
-    print("  DRAM corrupt after  " + ", ".join(f"{k} {n}" for k, n in c["dram_after"].items()))
-    left = s["left_behind"]
-    print(
-        f"  left behind         processes {len(left['processes'])}, /dev/shm files "
-        f"{len(left['shm_files'])}, files {len(left['files'])} (driver sockets still open: "
-        f"{left['driver_sockets']}; {left['fds_before']} fds before, "
-        f"{left['fds_after']} after)"
-    )
-    fails = s["failures"]
-    print("  result              " + ("PASS" if not fails else "FAIL: " + "; ".join(fails)))
 
 
 if __name__ == "__main__":

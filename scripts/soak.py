@@ -236,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "call_timeout_s": 20,
     }, environ={}))  # fmt: skip
     pool_checksum = bool(pool.config.checksum)
-    extra = {"pool_name": "soak", "model_namespace": NAMESPACE, "lookup_timeout_ms": 2000,
-             **json.loads(args.connector)}  # fmt: skip
+    # The connector's defaults (checksums, the node's index, the node channel, the lookup
+    # timeout), as users run it; --connector adds settings.
+    extra = {"pool_name": "soak", "model_namespace": NAMESPACE, **json.loads(args.connector)}
     kv_env = {**env, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     # vLLM's default policy fails a request whose load failed; a cache recomputes.
     transfer = json.dumps({**kvray_transfer_config(extra), "kv_load_failure_policy": "recompute"})

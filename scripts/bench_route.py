@@ -1,5 +1,5 @@
 """Routing over a kvray pool: TTFT of a shared-prefix workload through kvray's proxy
-(``python -m kvray.proxy``) in front of N vLLM OpenAI servers (issue 30).
+(``python -m kvray.proxy``) in front of N vLLM OpenAI servers.
 
 Arms (each a proxy of its own, all up for the whole run):
 

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse, write_json  # noqa: E402
 from _engines import engine_env, kvray_transfer_config, run_meta, start_bench_pool  # noqa: E402
+from _forked_server import prestart, start_server, wait_all_healthy  # noqa: E402
 from _stats import paired_ratio  # noqa: E402
 
 from kvray.servers.process import free_port  # noqa: E402
@@ -59,7 +61,9 @@ BLOCK = 128
 """vLLM's block size on the CPU backend."""
 SMOKE = ["--prefixes", "4", "--prefix-len", "256", "--requests-per-prefix", "2",
          "--cache-blocks", "6", "--reps", "1"]  # fmt: skip
-"""``--smoke``: every default arm, 4 prefixes of 2 blocks asked twice, one rep."""
+"""``--smoke``: every default arm, 4 prefixes of 2 blocks asked twice, one rep; the
+servers started together, without their warm-up request (and forked from the fork server
+under the test suite: ``scripts/_forked_server.py``)."""
 
 
 class Proxy:
@@ -76,7 +80,7 @@ class Proxy:
         pool_events: tuple[str, str] | None,
     ) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "kvray.proxy.server", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvray.proxy", "--port", str(self.port),
                "--instance-ports", *map(str, ports), "--health-interval", "0.5"]  # fmt: skip
         if arm.endswith("router"):
             cmd += ["--policy", "prefix", "--max-imbalance", str(args.max_imbalance)]
@@ -190,6 +194,7 @@ def main() -> int:
     model = str(build_prefill_bound_llama(args.model_dir))
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-route-"))
     env = engine_env(tmp, None)
+    prestart(env, tmp)  # a smoke run's fork server imports vLLM while the pool starts
     groups = {"local": [a for a in arms if a.startswith("local")],
               "pool": [a for a in arms if a.startswith("pool")]}  # fmt: skip
     servers: dict[str, list[Server]] = {}
@@ -233,11 +238,16 @@ def main() -> int:
                 # workers binding the same cores spin against each other (vLLM's worker
                 # busy-polls after each step), measured 0.5-1 s requests on 2 cores.
                 core = {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
-                s = Server(f"{group}{i}", cmd, {**env, **core}, tmp / f"{group}{i}.log", port=port)
+                s = start_server(
+                    f"{group}{i}", cmd, {**env, **core}, tmp / f"{group}{i}.log", port=port
+                )
                 servers[group].append(s)
-                s.wait_healthy(time.monotonic() + 600)
-                ttft_s(s.url(), model, list(range(3, 3 + BLOCK + 5)))  # warm-up
-                s.pause()
+                if not args.smoke:  # one at a time, each warmed up before the next starts
+                    s.wait_healthy(time.monotonic() + 600)
+                    ttft_s(s.url(), model, list(range(3, 3 + BLOCK + 5)))  # warm-up
+                    s.pause()
+        if args.smoke:  # all started at once, not warmed up: it times nothing that counts
+            wait_all_healthy([s for group_servers in servers.values() for s in group_servers])
         for rep in range(args.reps):
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
@@ -267,9 +277,8 @@ def main() -> int:
                 log(f"   rep {rep} {arm:12} p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms"
                     f"  per instance {r['served']}")  # fmt: skip
     finally:
-        for group_servers in servers.values():
-            for s in group_servers:
-                s.stop()
+        with ThreadPoolExecutor() as stopping:  # each waits for its engine to exit
+            list(stopping.map(Server.stop, [s for g in servers.values() for s in g]))
         for p in proxies.values():
             p.stop()
         if pool is not None:

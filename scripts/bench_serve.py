@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from _engines import (  # noqa: E402
     start_bench_pool,
     start_peer_master,
 )
+from _forked_server import prestart, start_server, wait_all_healthy  # noqa: E402
 from _stats import paired_ratio, pct  # noqa: E402
 
 from kvray.servers.process import free_port  # noqa: E402
@@ -63,7 +65,8 @@ SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "-
          "--kv-cache-gb", "1"]  # fmt: skip
 """``--smoke``: the strongest baseline (``peer``) and ``kvray``, one rep of 2 prompts of
 256 tokens (two blocks each). ``none`` and ``local`` are the same server with vLLM's own
-flags (no connector; prefix caching off or on)."""
+flags (no connector; prefix caching off or on). The servers start together (and forked
+from the fork server under the test suite: ``scripts/_forked_server.py``)."""
 
 
 def serve(
@@ -90,7 +93,7 @@ def serve(
     elif mode == "peer":
         extra = ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
     cmd = vllm_serve_cmd(model, port, *extra, max_model_len=max_len, prefix_caching=mode == "local")
-    return Server(mode, cmd, env, tmp / f"{mode}.log", port=port)
+    return start_server(mode, cmd, env, tmp / f"{mode}.log", port=port)
 
 
 def bench_client() -> Callable[[list[str]], object]:
@@ -187,6 +190,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-serve-"))
     master_settings = MooncakeMasterConfig()
     env = engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)
+    prestart(env, tmp)  # a smoke run's fork server imports vLLM while the pools start
     stops: list[Any] = []
     """Stopped last first."""
     servers: dict[str, Server] = {}
@@ -208,15 +212,20 @@ def main() -> int:
                 tmp, master_settings.model_dump(), segment=4 << 30, local_buffer=512 << 20
             )
             stops.append(peer_master.stop)
-        for mode in modes:  # one at a time: engines start slowly on small machines
+        for mode in modes:  # one at a time (but in a smoke run): engines start slowly
             log(f"== starting the {mode} server")
             menv = dict(env)
             if mode == "peer":
                 menv.update(peer_env)
             servers[mode] = serve(mode, model, args.input_len + 64, menv, tmp, args.connector)
-            servers[mode].wait_healthy(time.monotonic() + 600)
-            servers[mode].pause()
+            if not args.smoke:
+                servers[mode].wait_healthy(time.monotonic() + 600)
+                servers[mode].pause()
+        # A smoke run starts its servers at once (it times nothing that counts), and
+        # imports the client while they start.
         client = bench_client()
+        if args.smoke:
+            wait_all_healthy(list(servers.values()))
         for rep in range(args.reps):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for mode in order:
@@ -246,8 +255,8 @@ def main() -> int:
                     )  # fmt: skip
                 s.pause()
     finally:
-        for s in servers.values():
-            s.stop()
+        with ThreadPoolExecutor() as stopping:  # each waits for its engine to exit
+            list(stopping.map(Server.stop, servers.values()))
         for stop in reversed(stops):
             stop()
     shutil.rmtree(tmp)  # server logs: kept when the run failed

@@ -15,13 +15,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from _common import log
 
+from kvray.testing import forkserver
 from kvray.testing.engine import FORK_ENV, LiveEngine
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""What :class:`Engine` adds to its environment: the engine in the driven process (no IPC
+in the timing)."""
 
 
 class Engine(LiveEngine):
@@ -30,7 +37,7 @@ class Engine(LiveEngine):
     turns."""
 
     def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], tmp: Path) -> None:
-        env_over = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **spec.get("env", {})}
+        env_over = {**ENGINE_ENV, **spec.get("env", {})}
         spec = {**spec, "env": env_over, "hooks": False}
         # Fresh processes, as users start engines; the test suite's smoke runs set
         # KVRAY_ENGINE_FORK=1 to fork them from a process that imported vLLM once.
@@ -39,11 +46,13 @@ class Engine(LiveEngine):
             log(f"   {name}: forked from the engines' fork server ({FORK_ENV}=1)")
         super().__init__(name, spec, env, tmp, fork=fork)
 
-    def start(self) -> None:
-        """Wait until the engine is up, run one warm-up request, then pause it."""
+    def start(self, warm: bool = True) -> None:
+        """Wait until the engine is up, run one warm-up request (with ``warm``), then
+        pause it."""
         self.wait_ready()
-        self.call(op="ttft", prompt=list(range(3, 3 + min(300, self.max_len - 1))))
-        self.call(op="drain")
+        if warm:
+            self.call(op="ttft", prompt=list(range(3, 3 + min(300, self.max_len - 1))))
+            self.call(op="drain")
         self.pause()
 
     def turn(self, seed: list[int] | None, probe: list[int]) -> dict[str, Any]:
@@ -110,8 +119,8 @@ def live_engines(tmp: Path, stops: list[Callable[[], Any]]) -> Iterator[dict[str
     try:
         yield engines
     finally:
-        for e in engines.values():
-            e.close()
+        with ThreadPoolExecutor() as closing:  # each waits for its engine to exit
+            list(closing.map(Engine.close, engines.values()))
         for stop in stops:
             stop()
         ray.shutdown()
@@ -125,6 +134,44 @@ def start_engine(
     log(f"== starting engine {name}")
     engines[name] = Engine(name, spec, env, tmp)
     engines[name].start()
+
+
+def start_engines(
+    engines: dict[str, Engine],
+    specs: dict[str, tuple[dict[str, Any], dict[str, str]]],
+    tmp: Path,
+    smoke: bool,
+) -> None:
+    """The engines of ``specs`` (name: spec and environment). A full run starts them one
+    at a time, each warmed up by one request before the next starts (what is timed later
+    starts warm, and no start competes with another). A smoke run times nothing that
+    counts: it starts them all at once, without the warm-up, so that one engine's start
+    waits on the machine while another's computes."""
+    if not smoke:
+        for name, (spec, env) in specs.items():
+            start_engine(engines, name, spec, env, tmp)
+        return
+    log(f"== starting engines {', '.join(specs)} together (smoke run)")
+    for name, (spec, env) in specs.items():
+        engines[name] = Engine(name, spec, env, tmp)
+    for engine in engines.values():
+        engine.start(warm=False)
+
+
+def prestart_fork_servers(envs: list[dict[str, str]], tmp: Path) -> list[threading.Thread]:
+    """When the engines fork (``KVRAY_ENGINE_FORK=1``): the fork server of each of
+    ``envs`` (the engines' environments) started now, each in a thread, so that their
+    import of vLLM overlaps what the run starts meanwhile (Ray, the pools); the engines
+    that need them wait for them."""
+    if os.environ.get(FORK_ENV) != "1":
+        return []
+    threads = []
+    for env in envs:
+        child = {**env, **ENGINE_ENV}
+        t = threading.Thread(target=forkserver.server_for, args=(child, tmp), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
 
 
 def start_bench_pool(

@@ -42,9 +42,10 @@ from _engines import (  # noqa: E402
     interleaved,
     kvray_transfer_config,
     live_engines,
+    prestart_fork_servers,
     run_meta,
     start_bench_pool,
-    start_engine,
+    start_engines,
     workload,
     workload_args,
 )
@@ -52,7 +53,8 @@ from _engines import (  # noqa: E402
 BLOCK = 128
 CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
 SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
-"""``--smoke``: every configuration, one short input with a one-block hit, 3 reps."""
+"""``--smoke``: every configuration, one short input with a one-block hit, 3 reps; the
+engines started together, without their warm-up request (``start_engines``)."""
 
 
 def engine_spec(name: str, model: str, max_len: int, groups: int) -> dict[str, Any]:
@@ -80,16 +82,16 @@ def main() -> int:
     chosen(parser, configs, CONFIGS)
     lengths, rates = workload(parser, args)  # layer-wise only matters on hits
 
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
+    prestart_fork_servers([engine_env(tmp, None)], tmp)
     model = bench_model(args.model_dir)
     pool, ray_address = start_bench_pool()
-    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
     env = engine_env(tmp, ray_address)
     reps: dict[tuple[str, int, float], list[float]] = {}
     measured = {name: 0 for name in configs}
     with live_engines(tmp, [pool.shutdown]) as engines:
-        for name in configs:
-            spec = engine_spec(name, model, max(lengths) + 16, args.groups)
-            start_engine(engines, name, spec, env, tmp)
+        specs = {n: (engine_spec(n, model, max(lengths) + 16, args.groups), env) for n in configs}
+        start_engines(engines, specs, tmp, args.smoke)
         total = len(lengths) * len(rates) * args.reps
         schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):

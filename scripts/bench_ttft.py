@@ -75,9 +75,10 @@ from _engines import (  # noqa: E402
     interleaved,
     kvray_transfer_config,
     live_engines,
+    prestart_fork_servers,
     run_meta,
     start_bench_pool,
-    start_engine,
+    start_engines,
     start_peer_master,
     workload,
     workload_args,
@@ -114,7 +115,8 @@ the staging region, then the scatter into the KV cache (the local prefix cache: 
 SEGMENT = "4GB"
 """Each pool's (and the peer's master's) memory: room for a default run's blocks."""
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
-"""``--smoke``: every configuration, one short input with and without hits, 3 reps."""
+"""``--smoke``: every configuration, one short input with and without hits, 3 reps; the
+engines started together, without their warm-up request (``start_engines``)."""
 
 
 def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
@@ -157,9 +159,12 @@ def main() -> int:
 
     from kvray.config import MooncakeMasterConfig
 
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
+    # A smoke run's fork server imports vLLM while Ray and the pools start (the peer's,
+    # of another environment, while the other engines start).
+    prestart_fork_servers([engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)], tmp)
     model = bench_model(args.model_dir)
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
-    tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-ttft-"))
     # Every pool and the peer's master hold SEGMENT: a default run stores ~2.6 GB of
     # blocks (the seeds' and probes' of every row), past which the master evicts and
     # refuses puts, and a probe's seed can be gone before the probe (the run is void).
@@ -179,16 +184,14 @@ def main() -> int:
     reps: dict[tuple[str, int, float], list[float]] = {}
     cached: dict[tuple[str, int, float], list[int]] = {}
     with live_engines(tmp, stops) as engines:
-        for name in configs:
-            e_env = dict(env)
-            if name == "peer":
-                peer_master, peer_env = start_peer_master(
-                    tmp, master, segment=4 << 30, local_buffer=256 << 20
-                )
-                stops.insert(0, peer_master.stop)
-                e_env.update(peer_env)
-            spec = engine_spec(name, model, max(lengths) + 16)
-            start_engine(engines, name, spec, e_env, tmp)
+        specs = {name: (engine_spec(name, model, max(lengths) + 16), env) for name in configs}
+        if "peer" in configs:
+            peer_master, peer_env = start_peer_master(
+                tmp, master, segment=4 << 30, local_buffer=256 << 20
+            )
+            stops.insert(0, peer_master.stop)
+            specs["peer"] = (specs["peer"][0], {**env, **peer_env})
+        start_engines(engines, specs, tmp, args.smoke)
         floor = StagedFloor(model, max(lengths)) if {"staged", "local"} <= set(configs) else None
         total = len(lengths) * len(rates) * args.reps
         schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)

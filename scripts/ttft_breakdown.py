@@ -46,9 +46,10 @@ from _engines import (  # noqa: E402
     interleaved,
     kvray_transfer_config,
     live_engines,
+    prestart_fork_servers,
     run_meta,
     start_bench_pool,
-    start_engine,
+    start_engines,
     workload,
     workload_args,
 )
@@ -65,7 +66,8 @@ PARTS = (
     "to_caller",
 )
 SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
-"""``--smoke``: both engines, one short input with a one-block hit, 3 reps."""
+"""``--smoke``: both engines, one short input with a one-block hit, 3 reps; the
+engines started together, without their warm-up request (``start_engines``)."""
 
 
 def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:
@@ -108,10 +110,11 @@ def main() -> int:
     if args.lookup_index and args.actor_lookups:
         parser.error("--lookup-index and --actor-lookups exclude each other")
 
+    tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
+    prestart_fork_servers([engine_env(tmp, None)], tmp)
     model = bench_model(args.model_dir)
     settings: dict[str, Any] = {"lookup_index": False} if args.actor_lookups else {}
     pool, ray_address = start_bench_pool(**settings)
-    tmp = Path(tempfile.mkdtemp(prefix="kvray-ttft-breakdown-"))
     env = engine_env(tmp, ray_address)
     base = {"model": model, "max_len": max(lengths) + 16}
     specs = {
@@ -131,8 +134,7 @@ def main() -> int:
     }
     samples: dict[tuple[int, float], dict[str, list[Any]]] = {}
     with live_engines(tmp, [pool.shutdown]) as engines:
-        for name, spec in specs.items():
-            start_engine(engines, name, spec, env, tmp)
+        start_engines(engines, {n: (spec, env) for n, spec in specs.items()}, tmp, args.smoke)
         total = len(lengths) * len(rates) * args.reps
         schedule = interleaved(["local", "kvray"], lengths, rates, args.reps, BLOCK)
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):

@@ -1,8 +1,9 @@
 """The scripts that run vLLM engines, each in its smoke mode (``--smoke``: the full run
 with small arguments) as a user runs it: it exits 0, prints its table, and writes JSON
 with the keys of the full run (``tests/script_smoke.py``). Each starts and stops its own
-local Ray cluster, pool and engines; most of their time is the engines' start (~20-40 s
-each on 2 cores).
+local Ray cluster, pool and engines; most of their time is starting those (the engines
+and servers forked from a fork server that imported vLLM once, ``KVRAY_ENGINE_FORK=1``,
+and started together).
 
 The demo's run must also end quietly: no traceback, no stack dump of a SIGTERMed process
 (Ray's handler in a vLLM engine process, before kvray.ray_env kept the engine's own), no

@@ -114,6 +114,22 @@ def assert_no_region_left(whose: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def remove_behind_the_index(server_address: str) -> int:
+    """Every block removed from the pool's Mooncake with a raw client (no memory of its
+    own), as an eviction of all of them would, but unseen by kvray's actors (Mooncake
+    counts no eviction): the node's index still shows them, so a lookup hits blocks that
+    are gone at load (an SSD tier keeps its copies)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", server_address)
+    assert rc == 0, f"mooncake setup against {server_address} failed: {rc}"
+    try:
+        return int(raw.remove_all(True))
+    finally:
+        raw.close()
+
+
 def psm_left_behind(before: set[str]) -> set[str]:
     """vLLM's ``/dev/shm/psm_*`` queues made since ``before`` that no live process maps:
     left behind by servers that are gone. (Those of servers still running, another

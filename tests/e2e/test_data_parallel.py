@@ -20,7 +20,7 @@ from kvray.connector.log_lines import request_lines
 from kvray.testing.server import Server
 from tests.conftest import LOOKUP_TIMEOUT_MS
 
-from .conftest import STARTUP_S, prompts
+from .conftest import STARTUP_S, prompts, remove_behind_the_index
 
 pytestmark = pytest.mark.e2e
 
@@ -36,20 +36,6 @@ def _post(url: str, body: dict, dp_rank: int) -> dict:
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return dict(json.loads(r.read()))
-
-
-def _drop_dram(server_address: str) -> int:
-    """Remove every block from Mooncake's DRAM with a raw client (no memory of its own),
-    as an eviction of all of them would; the SSD tier keeps its copies."""
-    from mooncake.store import MooncakeDistributedStore
-
-    raw = MooncakeDistributedStore()
-    rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", server_address)
-    assert rc == 0, f"mooncake setup against {server_address} failed: {rc}"
-    try:
-        return int(raw.remove_all(True))
-    finally:
-        raw.close()
 
 
 def _ssd_slots(log: str) -> dict[str, tuple[str, int]]:
@@ -163,7 +149,7 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         # Only the SSD tier holds the blocks now: each rank's lookup must ask the SSD tier
         # of the slot its own worker loads through, and that worker load them from it.
         assert pool.stats().total.ssd_put_keys == 12  # 4 prompts x 3 blocks, stored once
-        assert _drop_dram(pool.server_address) >= 12
+        assert remove_behind_the_index(pool.server_address) >= 12
         ssd = [_post(url, {**body, "prompt": p}, i % 2) for i, p in enumerate(ps)]
         for a, b in zip(first, ssd, strict=True):
             assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]

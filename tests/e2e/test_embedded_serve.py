@@ -29,7 +29,7 @@ import pytest
 from kvray.testing.server import Server, vllm_serve_cmd
 from tests.conftest import LOOKUP_TIMEOUT_MS
 
-from .conftest import prompts, psm_left_behind
+from .conftest import prompts, psm_left_behind, remove_behind_the_index
 
 pytestmark = pytest.mark.e2e
 
@@ -103,21 +103,6 @@ def _complete(url: str, model: str, prompt: list[int]) -> list[int]:
     return list(body["choices"][0]["token_ids"])
 
 
-def _remove_behind_the_index(server_address: str) -> int:
-    """Every block removed from the pool's Mooncake with a raw client, so that no kvray
-    actor knows it (Mooncake counts no eviction): the node's index still shows them, and a
-    lookup hits blocks that are gone at load."""
-    from mooncake.store import MooncakeDistributedStore
-
-    raw = MooncakeDistributedStore()
-    rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", server_address)
-    assert rc == 0, f"mooncake setup against {server_address} failed: {rc}"
-    try:
-        return int(raw.remove_all(True))
-    finally:
-        raw.close()
-
-
 def _base_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(
@@ -182,7 +167,7 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
             (0, 3, 3, ""),
         ], a.tail()
         # Gone at load under `fail`: the request ends with vLLM's error response.
-        assert _remove_behind_the_index(state["server"]) >= 3
+        assert remove_behind_the_index(state["server"]) >= 3
         assert _post(a.url(), tiny_model, p) == FAILED_LOAD_RESPONSE, a.tail()
         # The failed load told the index they are gone: the next one computes and stores.
         assert _complete(a.url(), tiny_model, p) == first
@@ -214,7 +199,7 @@ def test_vllm_serve_with_nothing_running_uses_an_embedded_pool(tiny_model, tmp_p
         assert "kv_load_failure_policy is 'fail'" not in b.tail(10**8)
         # Gone at load under `recompute`: vLLM recomputes, the tokens are an engine's
         # without kvray.
-        assert _remove_behind_the_index(state["server"]) >= 3
+        assert remove_behind_the_index(state["server"]) >= 3
         assert _complete(b.url(), tiny_model, p) == expected
         counts = b.wait_request_counts(3)
         assert (counts[2]["hit_pool"], counts[2]["failed"]) == (3, 3), b.tail()

@@ -170,6 +170,7 @@ MARKS = {
     key: spelt.replace("|", "")
     for key, spelt in {
         "i": "issue| 27",
+        "u": "issue| 4711",
         "s": "stop| 40",
         "t": "turn| 3",
         "p": "#|31",
@@ -204,7 +205,7 @@ def test_the_rule_sees_history_in_code_and_lets_data_pass():
         'VECTOR = b"9f86d081884c7d65"  # the digest of a test vector\n'
         'KEY = "model@g0f1e2d3c4b5@9f86d08"\n'
         "# vLLM {p} and https://github.com/vllm-project/vllm/issues/53505 are upstream's;\n"
-        "# so is Ray's issue 4711; a key ``...@9f86d08`` and model@g0f1e2d3 are glued.\n"
+        "# so is Ray's {u}; a key ``...@9f86d08`` and model@g0f1e2d3 are glued.\n"
         "# {o} is kvray's own; {t} too.\n"
         "def f():\n"
         '    """Since {y}."""\n'

@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from kvray.testing import forkserver
 from kvray.testing.engine import FORK_ENV
 from kvray.testing.server import Server
@@ -90,6 +92,29 @@ class ForkedServer(Server):
             "_forked_server:serve", [SERVE_MODULE, late, *cmd[module + 1 :]], _env(env),
             log.parent, stderr=self._out, stdout=self._out, preload=PRELOAD,
         )  # fmt: skip
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """:meth:`Server.stop`, then the shared memory its processes had mapped unlinked
+        where it is left: vLLM unlinks its psm_* queues in ``__del__``, which a forked
+        engine process skips (it ends in ``os._exit``, as multiprocessing's fork does)."""
+        mapped = _shm_mapped(self.proc.pid)
+        super().stop(grace_s)
+        for path in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _shm_mapped(pgid: int) -> set[Path]:
+    """The /dev/shm files mapped by the processes of group ``pgid``."""
+    found: set[Path] = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) != pgid:
+                continue
+            for m in proc.memory_maps(grouped=True):
+                if m.path.startswith("/dev/shm/"):
+                    found.add(Path(m.path))
+    return found
 
 
 def serve() -> None:

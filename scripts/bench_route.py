@@ -278,7 +278,7 @@ def main() -> int:
                     f"  per instance {r['served']}")  # fmt: skip
     finally:
         with ThreadPoolExecutor() as stopping:  # each waits for its engine to exit
-            list(stopping.map(Server.stop, [s for g in servers.values() for s in g]))
+            list(stopping.map(lambda s: s.stop(), [s for g in servers.values() for s in g]))
         for p in proxies.values():
             p.stop()
         if pool is not None:

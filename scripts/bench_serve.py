@@ -256,7 +256,7 @@ def main() -> int:
                 s.pause()
     finally:
         with ThreadPoolExecutor() as stopping:  # each waits for its engine to exit
-            list(stopping.map(Server.stop, servers.values()))
+            list(stopping.map(lambda s: s.stop(), servers.values()))
         for stop in reversed(stops):
             stop()
     shutil.rmtree(tmp)  # server logs: kept when the run failed

@@ -85,6 +85,24 @@ def tiny_model(tmp_path_factory):
     return str(root / "tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """The tiny Gemma 3 (sliding-window and full-attention layers: several KV cache groups),
+    built once per run like ``tiny_model``."""
+    from kvray.testing.tiny_model import build_tiny_gemma3
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3"))
+    root = run_dir(tmp_path_factory)
+    with open(root / "tiny-gemma3.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-gemma3.done"
+        if not done.exists():
+            build_tiny_gemma3(root / "tiny-gemma3")
+            done.touch()
+    return str(root / "tiny-gemma3")
+
+
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
     one worker), and so is the multi-node harness (one two-node cluster for its tests), and

@@ -1,8 +1,9 @@
-"""Build a small Llama checkpoint locally (no downloads) for tests, demos and benchmarks.
+"""Build small checkpoints locally (no downloads) for tests, demos and benchmarks.
 
-A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` with
-seeded random weights, saved with ``save_pretrained``: vLLM loads it like any model
-directory. Building is deterministic, so two builds give the same outputs.
+A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` (or, for
+a hybrid-attention model, a ``Gemma3ForCausalLM``) with seeded random weights, saved with
+``save_pretrained``: vLLM loads it like any model directory. Building is deterministic, so
+two builds give the same outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 """A plain role-tagged template: the model is random, the template only has to exist."""
+
+
+def _save_tokenizer(path: Path, vocab_size: int) -> None:
+    """Train the byte-level BPE tokenizer on the fixed corpus and save it to ``path``
+    (``<s>``, ``</s>``, ``<unk>`` are ids 0, 1, 2; the chat template included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE  # so that /v1/chat/completions works too
+    fast.save_pretrained(path)
 
 
 def build_tiny_llama(
@@ -50,25 +74,10 @@ def build_tiny_llama(
     if marker.exists() and json.loads(marker.read_text()) == settings:
         return path
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.chat_template = CHAT_TEMPLATE  # so that /v1/chat/completions works too
-    fast.save_pretrained(path)
+    _save_tokenizer(path, vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -84,6 +93,69 @@ def build_tiny_llama(
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
+    marker.write_text(json.dumps(settings))
+    return path
+
+
+def build_tiny_gemma3(
+    path: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    sliding_window: int = 64,
+    full_every: int = 4,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A hybrid-attention model: a ``Gemma3ForCausalLM`` whose every ``full_every``-th layer
+    attends to the whole context and the others to the last ``sliding_window`` tokens, so
+    that vLLM's hybrid KV cache manager makes several KV cache groups (the defaults: three
+    sliding layers and one full, four groups). Written to ``path`` like
+    :func:`build_tiny_llama` (skipped if a build with these settings is there)."""
+    path = Path(path)
+    settings = {
+        "model": "gemma3", "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_layers": num_layers,
+        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "sliding_window": sliding_window, "full_every": full_every,
+        "max_positions": max_positions, "seed": seed, "chat_template": CHAT_TEMPLATE,
+    }  # fmt: skip
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, vocab_size)
+    layer_types = [
+        "full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    Gemma3ForCausalLM(config).save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path
 

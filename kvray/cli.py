@@ -175,9 +175,12 @@ async def _watch(
 
 
 def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeySpace:
-    """``NAMESPACE@LAYOUT[, block geometries G1,G2]``: the key space as the connector's
-    scheduler logs it after ``keys`` (with geometries, their count is TP x PP)."""
+    """``NAMESPACE@LAYOUT[, block geometries G1,G2[, kv_groups K]]``: the key space as the
+    connector's scheduler logs it after ``keys`` (with geometries, their count is TP x PP
+    x K)."""
     head, _, listed = text.partition(", block geometries ")
+    listed, _, groups = listed.partition(", kv_groups ")
+    kv_groups = int(groups) if groups.strip().isdigit() else 1
     namespace, at, layout = head.strip().partition("@")
     if not (namespace and at and layout) or " " in layout:
         raise ConfigError(
@@ -185,8 +188,8 @@ def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeyS
             "after 'keys ', e.g. 'NAMESPACE@LAYOUT, block geometries G1,G2'"
         )
     geometries = tuple(g for g in listed.split(",") if g)
-    tp = len(geometries) // pp_size if geometries else tp_size
-    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries)
+    tp = len(geometries) // (pp_size * kv_groups) if geometries else tp_size
+    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries, kv_groups)
 
 
 def cmd_prefix_match(args: argparse.Namespace) -> int:

@@ -15,6 +15,11 @@ while the bytes it describes stay. Engines derive it from their KV caches; keys 
 without one (``KeySpace.geometries`` empty: the Pool API's and tools' own keys) have no
 ``@g`` part.
 
+A hybrid model's block is one key per KV cache group of vLLM's hybrid allocator (full
+attention, sliding window, ...) and rank: each group's geometry digest names the group (its
+kind, window and layers, :func:`group_geometry_digest`), so one group's block never answers
+for another's.
+
 With layer-wise transfers (``use_layerwise``) each block of each rank is ``G`` keys, one
 per group of its layers, ``...@pp<p>@lg<g>of<G>@<hash>``: the group count is in the key,
 so engines that split layers differently (or not at all) never read each other's bytes.
@@ -169,23 +174,38 @@ class KeySpace:
     layer_groups: int = 1
     """Keys per block and rank (layer-wise transfers: one per group of the rank's layers)."""
     geometries: tuple[str, ...] = ()
-    """Per instance rank, the :func:`geometry_digest` of its keys' bytes ("" for a rank
-    whose geometry this process does not know: a worker knows its own). Empty: keys
-    without a geometry (the Pool API's and tools' own keys, never an engine's)."""
+    """Per instance rank and KV cache group (entry ``rank * kv_groups + group``), the
+    :func:`geometry_digest` of its keys' bytes ("" for one this process does not know: a
+    worker knows its own rank's). Empty: keys without a geometry (the Pool API's and tools'
+    own keys, never an engine's)."""
+    kv_groups: int = 1
+    """KV cache groups of the engine (vLLM's hybrid allocator): keys per block and rank,
+    each group's own (its geometry names it)."""
 
     def __post_init__(self) -> None:
-        if self.geometries and len(self.geometries) != self.tp_size * self.pp_size:
+        slots = self.tp_size * self.pp_size * self.kv_groups
+        if self.geometries and len(self.geometries) != slots:
             raise KeyFormatError(
                 f"KeySpace.geometries has {len(self.geometries)} entries for "
-                f"{self.tp_size * self.pp_size} ranks (one per rank, or none)"
+                f"{self.tp_size * self.pp_size} ranks x {self.kv_groups} KV cache groups (one "
+                "per rank and group, or none)"
+            )
+        if (
+            self.kv_groups > 1
+            and self.geometries
+            and len(set(self.geometries) - {""}) < len([g for g in self.geometries if g])
+        ):
+            raise KeyFormatError(
+                "KeySpace.geometries: two ranks or KV cache groups share a geometry digest; "
+                "each group's keys must be its own"
             )
         for g in self.geometries:
             if g and not _GEOMETRY_RE.match(g):
                 raise KeyFormatError(f"KeySpace.geometries: {g!r} is not a geometry_digest")
-        if self.tp_size < 1 or self.pp_size < 1 or self.layer_groups < 1:
+        if self.tp_size < 1 or self.pp_size < 1 or self.layer_groups < 1 or self.kv_groups < 1:
             raise KeyFormatError(
                 f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size} "
-                f"layer_groups={self.layer_groups}"
+                f"layer_groups={self.layer_groups} kv_groups={self.kv_groups}"
             )
         # Validate namespace and layout once, through a probe key.
         BlockKey(self.namespace, self.layout, 0, 0, BlockHash(b"\0"))
@@ -196,11 +216,28 @@ class KeySpace:
 
     @property
     def columns(self) -> int:
-        """Keys per block of the instance: every rank's, every layer group's."""
-        return self.world_size * self.layer_groups
+        """Keys per block of the instance: every rank's, KV cache group's and layer
+        group's."""
+        return self.world_size * self.kv_groups * self.layer_groups
+
+    def column(self, c: int) -> tuple[int, int, int]:
+        """Column ``c``'s (rank, layer group, KV cache group): rank-major, then KV cache
+        group, then layer group (the order of :meth:`lookup_key_strs`)."""
+        rank, rest = divmod(c, self.kv_groups * self.layer_groups)
+        kv_group, group = divmod(rest, self.layer_groups)
+        return rank, group, kv_group
+
+    def column_prefixes(self) -> list[str]:
+        """:meth:`column_prefix` of every column, in column order."""
+        return [self.column_prefix(*self.column(c)) for c in range(self.columns)]
 
     def key(
-        self, block_hash: bytes, tp_rank: int = 0, pp_rank: int = 0, layer_group: int = 0
+        self,
+        block_hash: bytes,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        layer_group: int = 0,
+        kv_group: int = 0,
     ) -> BlockKey:
         if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
             raise KeyFormatError(
@@ -215,14 +252,17 @@ class KeySpace:
             BlockHash(block_hash),
             layer_group,
             self.layer_groups,
-            self.geometry_of(pp_rank * self.tp_size + tp_rank),
+            self.geometry_of(pp_rank * self.tp_size + tp_rank, kv_group),
         )
 
-    def geometry_of(self, rank: int) -> str:
-        """The geometry part of rank ``rank``'s keys ("" when keys have none)."""
+    def geometry_of(self, rank: int, kv_group: int = 0) -> str:
+        """The geometry part of rank ``rank``'s keys of one KV cache group ("" when keys
+        have none)."""
         if not self.geometries:
             return ""
-        geometry = self.geometries[rank]
+        if not 0 <= kv_group < self.kv_groups:
+            raise KeyFormatError(f"KV cache group {kv_group} is outside 0..{self.kv_groups - 1}")
+        geometry = self.geometries[rank * self.kv_groups + kv_group]
         if not geometry:
             raise KeyFormatError(
                 f"KeySpace has no block geometry for rank {rank} (this process knows the "
@@ -235,32 +275,30 @@ class KeySpace:
         """Every rank's geometry is known (or keys have none): lookups may be made."""
         return all(self.geometries)
 
-    def rank_key_strs(self, hashes: Sequence[bytes], rank: int, group: int = 0) -> list[str]:
-        """Key strings of ``hashes`` for one instance rank (and layer group); the hot
-        path of lookups."""
+    def rank_key_strs(
+        self, hashes: Sequence[bytes], rank: int, group: int = 0, kv_group: int = 0
+    ) -> list[str]:
+        """Key strings of ``hashes`` for one instance rank (layer group, KV cache group);
+        the hot path of lookups."""
         if not 0 <= group < self.layer_groups:
             raise KeyFormatError(f"layer group {group} is outside 0..{self.layer_groups - 1}")
-        prefix = self.column_prefix(rank, group)
+        prefix = self.column_prefix(rank, group, kv_group)
         return [prefix + h.hex() for h in hashes]
 
-    def column_prefix(self, rank: int, group: int = 0) -> str:
-        """What every key string of one instance rank and layer group starts with (the
-        block hash's hex follows)."""
+    def column_prefix(self, rank: int, group: int = 0, kv_group: int = 0) -> str:
+        """What every key string of one instance rank, layer group and KV cache group
+        starts with (the block hash's hex follows)."""
         pp_rank, tp_rank = divmod(rank, self.tp_size)
+        geometry = _geometry_part(self.geometry_of(rank, kv_group))
         return (
-            f"{self.namespace}{_SEP}{self.layout}{_SEP}{_geometry_part(self.geometry_of(rank))}"
+            f"{self.namespace}{_SEP}{self.layout}{_SEP}{geometry}"
             f"tp{tp_rank}{_SEP}pp{pp_rank}{_SEP}{_group_part(group, self.layer_groups)}"
         )
 
     def lookup_key_strs(self, hashes: Sequence[bytes]) -> list[str]:
-        """Every key of ``hashes`` for the whole instance, column-major: column ``c``
-        (``columns`` of them) is rank ``c // layer_groups``, group ``c % layer_groups``."""
-        return [
-            k
-            for r in range(self.world_size)
-            for g in range(self.layer_groups)
-            for k in self.rank_key_strs(hashes, r, g)
-        ]
+        """Every key of ``hashes`` for the whole instance, column-major (``columns`` of
+        them, in :meth:`column`'s order)."""
+        return [k for c in range(self.columns) for k in self.rank_key_strs(hashes, *self.column(c))]
 
 
 def block_of_key(key: str) -> str:
@@ -287,6 +325,13 @@ def geometry_digest(byte_order: str, layer_names: Sequence[str]) -> str:
     for name in layer_names:
         h.update(b"\0" + name.encode())
     return h.hexdigest()[:12]
+
+
+def group_geometry_digest(byte_order: str, identity: str, layer_names: Sequence[str]) -> str:
+    """:func:`geometry_digest` of one KV cache group of a hybrid model: ``identity`` (the
+    group's kind and parameters, e.g. ``sliding_window=512``) beside the byte order, so
+    groups with the same bytes per block but another kind never share keys."""
+    return geometry_digest(f"{byte_order}#{identity}", layer_names)
 
 
 def _group_part(group: int, groups: int) -> str:

@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvray.connector.instance import instance_info
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -45,7 +48,11 @@ if TYPE_CHECKING:
     from kvray.connector.worker import KVRayWorker
 
 
-class KVRayConnector(KVConnectorBase_V1):
+class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid allocator on for hybrid models, whose KV
+    cache groups the pool keys apart (:mod:`kvray.connector.kv_groups`); for a model of
+    one group, ``request_finished_all_groups`` is ``request_finished``."""
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -120,6 +127,10 @@ class KVRayConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
@@ -159,6 +170,24 @@ class KVRayConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished_all_groups(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self.scheduler.loaded_groups()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        # Sliding-window blocks stay allocated until their saves ended (kvray.connector.pins).
+        self.scheduler.bind_block_pool(gpu_block_pool)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save dropped by a preemption is a future miss, never a
+        # request's missing KV (PD through the pool recomputes what its prefill lacked).
+        return False
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray import ucm
 from kvray.config import ConnectorConfig, validate
+from kvray.connector.kv_groups import KVGroup, kv_groups
 from kvray.errors import ConfigError
 from kvray.keys import KeySpace, KVLayout
 from kvray.ucm import UcmSettings
@@ -52,6 +53,9 @@ class InstanceInfo:
     load_failure_policy: str = "fail"
     """This connector's own ``kv_load_failure_policy``; the one vLLM applies may be a
     MultiConnector's (:mod:`kvray.connector.load_policy`)."""
+    groups: tuple[KVGroup, ...] = ()
+    """The engine's KV cache groups (:mod:`kvray.connector.kv_groups`): one for most
+    models, several for a hybrid one under vLLM's hybrid allocator."""
 
     @property
     def can_load(self) -> bool:
@@ -84,19 +88,10 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     cfg = connector_config(vllm_config)
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise ConfigError("KVRayConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVRayConnector supports models with one KV cache group; this one has {len(groups)} "
-            "(hybrid attention): disable the hybrid KV cache manager or use a full-attention model"
-        )
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise ConfigError(
-            f"KVRayConnector stores attention KV caches; this model has {type(spec).__name__}"
-        )
+    groups = kv_groups(kv_cache_config)
+    if len(groups) > 1:
+        cfg = _for_groups(cfg, len(groups))
+    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     dtype = str(spec.dtype).removeprefix("torch.")
     layout = KVLayout(dtype, spec.block_size, spec.num_kv_heads, spec.head_size).tag()
     namespace = cfg.model_namespace or default_namespace(vllm_config)
@@ -106,7 +101,14 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     split = parallel.pipeline_parallel_size == 1 and cfg.prefill_pp_size > 1
     pp_size = cfg.prefill_pp_size if split else parallel.pipeline_parallel_size
     layer_groups = cfg.layerwise_groups if cfg.use_layerwise else 1
-    space = KeySpace(namespace, layout, parallel.tensor_parallel_size, pp_size, layer_groups)
+    space = KeySpace(
+        namespace,
+        layout,
+        parallel.tensor_parallel_size,
+        pp_size,
+        layer_groups,
+        kv_groups=len(groups),
+    )
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
     step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
@@ -125,7 +127,33 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         model_name=_served_name(vllm_config),
         engine_id=str(transfer.engine_id or ""),
         load_failure_policy=str(transfer.kv_load_failure_policy),
+        groups=groups,
     )
+
+
+def _for_groups(cfg: ConnectorConfig, n: int) -> ConnectorConfig:
+    """The connector config for a model of ``n`` > 1 KV cache groups: loads are
+    asynchronous (vLLM takes a failed load of such a model only per request, as a failed
+    async receive), refused where set otherwise; transfers that split a block by layers
+    are refused."""
+    if cfg.use_layerwise:
+        raise ConfigError(
+            f"use_layerwise: this model has {n} KV cache groups (hybrid attention); layer-wise "
+            "transfers are for models of one group: set use_layerwise to false"
+        )
+    if cfg.prefill_pp_size > 1:
+        raise ConfigError(
+            f"prefill_pp_size: this model has {n} KV cache groups (hybrid attention); blocks "
+            "split by a PP prefill's stages are for models of one group: set "
+            "prefill_pp_size to 1"
+        )
+    if "load_async" in cfg.model_fields_set and not cfg.load_async:
+        raise ConfigError(
+            f"load_async is false, but this model has {n} KV cache groups (hybrid attention): "
+            "vLLM can recompute a failed load of such a model only when it was asynchronous; "
+            "set load_async to true (or leave it out)"
+        )
+    return cfg.model_copy(update={"load_async": True})
 
 
 def default_namespace(vllm_config: VllmConfig) -> str:

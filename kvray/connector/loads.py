@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvray.backends.base import KeyStatus
+from kvray.connector.region import all_ok
 from kvray.errors import KVRayError
 
 if TYPE_CHECKING:
@@ -66,16 +67,6 @@ class _AsyncLoad:
     first: int | None
 
 
-def all_ok(per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
-    """A block loaded only if every part of it did (else: its first part's failure)."""
-    return [
-        KeyStatus.OK
-        if all(s is KeyStatus.OK for s in col)
-        else next(s for s in col if s is not KeyStatus.OK)
-        for col in zip(*per_batch, strict=True)
-    ]
-
-
 class Loader:
     """One worker's loads: sync, async and layer-wise, and the blocks that failed."""
 
@@ -99,6 +90,9 @@ class Loader:
         self._loaded: set[str] = set()
         """Requests whose async loads (some of them) are done, to report once all are."""
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        """A hybrid model's requests whose (async) loads failed since the last
+        :meth:`finished`: reported as failed receives."""
         self._lw: _LayerwiseLoad | None = None
         self._warned_late = False
         self._served_s = 0.0
@@ -144,7 +138,7 @@ class Loader:
         calls: list[Call[list[KeyStatus]]] = []
         try:
             calls = [self._store.get(b) for b in batches]
-            statuses = all_ok(self._waits.results(calls, self._timeout_s))
+            statuses = self._region.combine(self._waits.results(calls, self._timeout_s))
             self._count_served(calls)
         except KVRayError as exc:
             logger.warning("rank %d: load of %d blocks failed: %s", self._rank, n, exc)
@@ -173,20 +167,33 @@ class Loader:
         slots. A block that failed is left alone (vLLM recomputes it)."""
         stager = self._region.stager
         assert stager is not None
-        block_ids = [b for op in ops for b in op.block_ids]
-        rows = [i for i, s in enumerate(statuses) if s is KeyStatus.OK]
+        n = sum(len(op.block_ids) for op in ops)
         try:
-            stager.scatter([block_ids[i] for i in rows], first, rows)
+            ok = [i for i, s in enumerate(statuses) if s is KeyStatus.OK]
+            self._region.scatter(ops, first, ok)
         finally:
-            stager.release(first, len(block_ids))
+            stager.release(first, n)
 
     def _account(self, ops: list[BlockOp], statuses: list[KeyStatus]) -> None:
         block_ids = [b for op in ops for b in op.block_ids]
         failed = {b for b, s in zip(block_ids, statuses, strict=True) if s is not KeyStatus.OK}
-        self._errors |= failed
-        row_bytes = self._region.row_bytes
+        if self._region.kv_grouped:
+            # vLLM takes a hybrid model's failed load per request only (its async loads).
+            i = 0
+            for op in ops:
+                if any(s is not KeyStatus.OK for s in statuses[i : i + len(op.block_ids)]):
+                    self._failed_reqs.add(op.req_id)
+                i += len(op.block_ids)
+        else:
+            self._errors |= failed
+        ok_bytes = 0
+        i = 0
+        for op in ops:
+            ok = sum(s is KeyStatus.OK for s in statuses[i : i + len(op.block_ids)])
+            ok_bytes += ok * self._region.row_bytes_of(op.group)
+            i += len(op.block_ids)
         self._stats.add("loaded_blocks", len(block_ids) - len(failed))
-        self._stats.add("loaded_bytes", (len(block_ids) - len(failed)) * row_bytes)
+        self._stats.add("loaded_bytes", ok_bytes)
         self._stats.add("load_failed_blocks", len(failed))
         gone = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.NOT_FOUND}
         bad = {b for b, s in zip(block_ids, statuses, strict=True) if s is KeyStatus.CORRUPT}
@@ -217,7 +224,7 @@ class Loader:
         self._async = [ld for ld in self._async if ld not in finished]
         for load in finished:
             try:
-                statuses = all_ok(self._waits.results(load.calls, None))
+                statuses = self._region.combine(self._waits.results(load.calls, None))
             except KVRayError as exc:
                 logger.warning(
                     "rank %d: async load of %d blocks failed: %s", self._rank, load.n, exc
@@ -228,14 +235,17 @@ class Loader:
             self._account(load.ops, statuses)  # errors recorded before reporting done
             self._loaded.update(op.req_id for op in load.ops)
 
-    def finished(self) -> set[str]:
-        """Requests whose async loads all ended since the last call."""
+    def finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose async loads all ended since the last call, and those of them
+        whose loads failed (a hybrid model's; others' failures are block ids)."""
         # A request whose blocks were cut into several staged transfers is done when the
         # last of them is.
         pending = {op.req_id for load in self._async for op in load.ops}
         done = self._loaded - pending
         self._loaded -= done
-        return done
+        failed = self._failed_reqs & done
+        self._failed_reqs -= failed
+        return done, failed
 
     def take_errors(self) -> set[int]:
         """Block ids whose loads failed since the last call (vLLM recomputes them)."""

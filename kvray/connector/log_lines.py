@@ -31,15 +31,19 @@ kvray.misses' reasons, or ``save_in_flight`` (the block's save by this instance 
 ended, or the node's index did not show it yet, when the lookup timeout ran out)."""
 REQUEST_MISS_FORMAT = REQUEST_FORMAT + " miss=%s"
 COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
-KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s"
-"""Namespace, layout, and the ranks' block geometries joined by commas."""
+KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s%s"
+"""Namespace, layout, the block geometries of every rank and KV cache group (rank-major)
+joined by commas, and ``, kv_groups K`` for a hybrid model's ``K`` > 1 groups."""
 
 _REQUEST = re.compile(
     r"(?:\(EngineCore\S* pid=(\d+)\).*?)?request_id=(\S+) "
     + " ".join(rf"{name}=(\d+)" for name in COUNTS)
     + r"(?: miss=(\S+))?"
 )
-_KEYS = re.compile(r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f,]+)")
+_KEYS = re.compile(
+    r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f]+(?:,[0-9a-f]+)*)"
+    r"(?:, kv_groups (\d+))?"
+)
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,10 @@ def key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1) -> KeySpace 
     found = _KEYS.search(log)
     if found is None:
         return None
-    namespace, layout, geometries = found.groups()
+    namespace, layout, geometries, kv_groups = found.groups()
     g = tuple(geometries.split(","))
-    return KeySpace(namespace, layout, len(g) // pp_size, pp_size, layer_groups, g)
+    k = int(kv_groups or 1)
+    return KeySpace(namespace, layout, len(g) // (pp_size * k), pp_size, layer_groups, g, k)
 
 
 def log_through_vllm() -> None:

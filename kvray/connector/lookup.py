@@ -142,7 +142,7 @@ class Lookups:
         masks = np.empty(space.columns, dtype=np.uint32)
         places = ssd_places(space.world_size, placement, self._node_id)
         for c in range(space.columns):
-            place: Place | None = places[c // space.layer_groups]
+            place: Place | None = places[space.column(c)[0]]
             ssd = index.place_bit(place.node_id, place.slot) if place is not None else 0
             masks[c] = DRAM | ssd
         hits, vals, held = index.lookup(space, hashes, masks)

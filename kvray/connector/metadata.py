@@ -41,6 +41,8 @@ class BlockOp:
     req_id: str
     block_hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    group: int = 0
+    """The KV cache group whose blocks these are (:mod:`kvray.connector.kv_groups`)."""
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) == len(self.block_ids), "BlockOp: one block id per hash"

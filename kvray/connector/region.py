@@ -7,7 +7,10 @@ connector's ``get_mem_pool_context``), and a block is its rows of every layer.
 transfer reserves; blocks are gathered into them and scattered back.
 
 A block is one key of all its layers, or several (:mod:`kvray.connector.pp`): one per
-prefill PP stage, or one per layer group (layer-wise transfers).
+prefill PP stage, or one per layer group (layer-wise transfers). A hybrid model's KV cache
+groups (:mod:`kvray.connector.kv_groups`) each have their own blocks: an op moves one
+group's blocks, through that group's layers (its columns: the layers are registered
+group-major, so each group's are one run) under that group's keys.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvray.backends.base import KeyStatus
 from kvray.connector.kv_geometry import check_uniform, geometry_tag, layer_geometry
 from kvray.connector.pp import Part, group_parts, split_columns, stage_parts
 from kvray.connector.staging import Stager
 from kvray.errors import ConfigError
-from kvray.keys import geometry_digest
+from kvray.keys import geometry_digest, group_geometry_digest
 from kvray.transfer import TransferBatch
 
 if TYPE_CHECKING:
@@ -35,6 +39,16 @@ if TYPE_CHECKING:
     from kvray.shm import RegionSpec, SharedRegion
 
 logger = logging.getLogger(__name__)
+
+
+def all_ok(per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
+    """A block loaded only if every part of it did (else: its first part's failure)."""
+    return [
+        KeyStatus.OK
+        if all(s is KeyStatus.OK for s in col)
+        else next(s for s in col if s is not KeyStatus.OK)
+        for col in zip(*per_batch, strict=True)
+    ]
 
 
 class KVRegion:
@@ -62,6 +76,9 @@ class KVRegion:
         """Layer-wise: layer name -> its group."""
         self.group_len: list[int] = []
         """Layer-wise: layers of each group."""
+        self.kv_cols: list[tuple[int, int]] = []
+        """Hybrid models (several KV cache groups): each group's layers ``[lo, hi)``,
+        group-major; empty: one group of every layer."""
 
     # ---- registration --------------------------------------------------------------------
 
@@ -139,6 +156,12 @@ class KVRegion:
         names them). Call after :meth:`split_blocks`."""
         order = self.geometry_tag(kv_caches)
         names = list(kv_caches)
+        if self.kv_cols:
+            k, groups = len(self.kv_cols), self.info.groups
+            return {
+                self.rank * k + g: group_geometry_digest(order, group.identity, names[lo:hi])
+                for g, ((lo, hi), group) in enumerate(zip(self.kv_cols, groups, strict=True))
+            }
         if not self.info.split_stages:
             return {self.rank: geometry_digest(order, names)}
         planes = self.stager.planes_per_layer if self.stager else 1
@@ -150,7 +173,7 @@ class KVRegion:
     def use_geometries(self, geometries: Mapping[int, str]) -> None:
         """Key this worker's blocks with their geometries (from :meth:`rank_geometries`)."""
         space = self.info.space
-        full = tuple(geometries.get(r, "") for r in range(space.world_size))
+        full = tuple(geometries.get(r, "") for r in range(space.world_size * space.kv_groups))
         self.info = replace(self.info, space=replace(space, geometries=full))
 
     def split_blocks(self, layer_names: list[str], tp_rank: int) -> None:
@@ -187,12 +210,42 @@ class KVRegion:
     def layerwise(self) -> bool:
         return bool(self.group_of)
 
+    @property
+    def kv_grouped(self) -> bool:
+        """A hybrid model's blocks: each op moves one KV cache group's."""
+        return bool(self.kv_cols)
+
+    def use_kv_groups(self, layers_per_group: list[int]) -> None:
+        """The KV cache groups' layer counts, in the (group-major) order the layers were
+        registered in."""
+        if len(layers_per_group) < 2:
+            return
+        if sum(layers_per_group) != self.num_layers:
+            raise ConfigError(
+                f"KVRayConnector: the KV cache groups hold {sum(layers_per_group)} layers but "
+                f"the engine registered {self.num_layers}: kvray's bug"
+            )
+        bounds = np.concatenate([[0], np.cumsum(layers_per_group)]).astype(int).tolist()
+        self.kv_cols = list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def row_bytes_of(self, group: int) -> int:
+        """Bytes of one block of KV cache group ``group`` (what its key holds)."""
+        if not self.kv_cols:
+            return self.row_bytes
+        lo, hi = self.kv_cols[group]
+        return self.row_bytes * (hi - lo) // self.num_layers
+
+    def _planes(self) -> int:
+        return self.stager.planes_per_layer if self.stager is not None else 1
+
     # ---- transfers -----------------------------------------------------------------------
 
     def batches(self, ops: list[BlockOp], first_slot: int | None = None) -> list[TransferBatch]:
         """One batch, or one per part when a block is several keys (PP stages, layer
         groups). Shared: the blocks' places in the KV cache; staged: staging slots
         ``first_slot..``."""
+        if self.kv_cols:
+            return self._group_batches(ops, first_slot)
         hashes = [h for op in ops for h in op.block_hashes]
         if first_slot is None:
             assert self._layer_offsets is not None, "KVRegion.batches: staged needs a slot"
@@ -208,9 +261,86 @@ class KVRegion:
         split = split_columns(self.info.space, hashes, offsets, lengths, self.parts)
         return [TransferBatch(self.spec, k, o, n) for k, o, n in split]
 
+    def _group_batches(self, ops: list[BlockOp], first_slot: int | None) -> list[TransferBatch]:
+        """One batch per run of one KV cache group's ops (``ops`` sorted by group, as
+        :meth:`chunks` gives them), through that group's columns; their statuses, one
+        after the other, are the blocks' in ``ops``' order."""
+        out = []
+        pos = 0
+        for g, lo, hi, run in self._runs(ops):
+            hashes = [h for op in run for h in op.block_hashes]
+            n = len(hashes)
+            if first_slot is None:
+                assert self._layer_offsets is not None
+                ids = np.array([b for op in run for b in op.block_ids], dtype=np.int64)
+                offsets = self._layer_offsets[None, lo:hi] + ids[:, None] * self._block_stride
+                lengths = np.full(offsets.shape, self._block_bytes, dtype=np.int64)
+            else:
+                assert self.stager is not None
+                offsets, lengths = self.stager.offsets(first_slot + pos, n)
+                planes = self._planes()
+                offsets = offsets[:, lo * planes : hi * planes]
+                lengths = lengths[:, lo * planes : hi * planes]
+            keys = tuple(self.info.space.rank_key_strs(hashes, self.rank, kv_group=g))
+            out.append(TransferBatch(self.spec, keys, offsets, lengths))
+            pos += n
+        return out
+
+    def _runs(self, ops: list[BlockOp]) -> Iterator[tuple[int, int, int, list[BlockOp]]]:
+        """(group, its first layer, its end layer, the group's ops) per run of one KV
+        cache group's ops."""
+        i = 0
+        while i < len(ops):
+            g = ops[i].group
+            j = i
+            while j < len(ops) and ops[j].group == g:
+                j += 1
+            lo, hi = self.kv_cols[g]
+            yield g, lo, hi, ops[i:j]
+            i = j
+
+    def gather(self, ops: list[BlockOp], first: int) -> None:
+        """Staged: copy the ops' blocks into slots ``first..`` (a hybrid model's: each
+        group's layers only)."""
+        assert self.stager is not None
+        if not self.kv_cols:
+            self.stager.gather([b for op in ops for b in op.block_ids], first)
+            return
+        planes, pos = self._planes(), 0
+        for _, lo, hi, run in self._runs(ops):
+            ids = [b for op in run for b in op.block_ids]
+            self.stager.gather(ids, first + pos, (lo * planes, hi * planes))
+            pos += len(ids)
+
+    def scatter(self, ops: list[BlockOp], first: int, rows: list[int]) -> None:
+        """Staged: copy slots ``first + rows[i]`` into their blocks (``rows``: those that
+        loaded, ascending). A hybrid model's: each group's layers only, so no group's
+        block is written through another group's layers."""
+        assert self.stager is not None
+        block_ids = [b for op in ops for b in op.block_ids]
+        if not self.kv_cols:
+            self.stager.scatter([block_ids[i] for i in rows], first, rows)
+            return
+        planes, pos = self._planes(), 0
+        for _, lo, hi, run in self._runs(ops):
+            n = sum(len(op.block_ids) for op in run)
+            mine = [r - pos for r in rows if pos <= r < pos + n]
+            ids = [block_ids[pos + r] for r in mine]
+            self.stager.scatter(ids, first + pos, mine, (lo * planes, hi * planes))
+            pos += n
+
+    def combine(self, per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
+        """Per block of the ops :meth:`batches` was given, from its batches' statuses: a
+        block loaded only if every key of it did."""
+        if self.kv_cols:
+            return [s for statuses in per_batch for s in statuses]
+        return all_ok(per_batch)
+
     def chunks(self, ops: list[BlockOp]) -> Iterator[list[BlockOp]]:
         """``ops`` in runs that fit staging (an op may be cut; shared: one run; none when
-        there are no ops)."""
+        there are no ops). A hybrid model's: sorted by KV cache group."""
+        if self.kv_cols:
+            ops = sorted(ops, key=lambda op: op.group)
         if self.stager is None:
             if ops:
                 yield ops

@@ -8,6 +8,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvray.connector.kv_groups import NULL_BLOCK
 from kvray.connector.metadata import BlockOp
 
 if TYPE_CHECKING:
@@ -29,7 +30,10 @@ class RequestState:
     """Leading blocks vLLM's own prefix cache had."""
     pool_blocks: int = 0
     """Leading blocks after those that the pool had (and that get loaded)."""
-    block_ids: list[int] = field(default_factory=list)
+    group_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's block ids (one list for most models; a sliding
+    window group's entries that left the window are vLLM's freed blocks, or its null
+    block where it allocated none)."""
     next_save: int = 0
     """First block not yet stored (or known to be in the pool)."""
     computed_tokens: int = 0
@@ -42,6 +46,21 @@ class RequestState:
     miss: str = ""
     """Why its lookup stopped short of its last full block (kvray.misses' reasons; empty:
     a whole hit, or no lookup)."""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV cache group's block ids (a model of one group: its blocks)."""
+        return self.group_ids[0] if self.group_ids else []
+
+    def set_blocks(self, ids: tuple[list[int], ...] | list[list[int]]) -> None:
+        self.group_ids = [list(g) for g in ids]
+
+    def add_blocks(self, ids: tuple[list[int], ...] | list[list[int]]) -> None:
+        if not self.group_ids:
+            self.set_blocks(ids)
+            return
+        for mine, new in zip(self.group_ids, ids, strict=True):
+            mine.extend(new)
 
     def totals(self) -> tuple[int, int, int]:
         hit, loaded, failed = self.earlier
@@ -58,7 +77,7 @@ def track_scheduled(reqs: dict[str, RequestState], output: SchedulerOutput) -> N
     for new in output.scheduled_new_reqs:
         st = reqs.get(new.req_id)
         if st is not None:
-            st.block_ids = list(new.block_ids[0])
+            st.set_blocks(new.block_ids)
             st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
     cached = output.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
@@ -67,9 +86,9 @@ def track_scheduled(reqs: dict[str, RequestState], output: SchedulerOutput) -> N
             continue
         new_ids = cached.new_block_ids[i]
         if rid in cached.resumed_req_ids and new_ids is not None:
-            st.block_ids = list(new_ids[0])
+            st.set_blocks(new_ids)
         elif new_ids is not None:
-            st.block_ids.extend(new_ids[0])
+            st.add_blocks(new_ids)
         st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
 
 
@@ -85,7 +104,12 @@ def plan_saves(
     request with any of them among its computed blocks saves nothing now: if that load
     failed, the forward attended to what the block held before, and every block it
     computed after it is wrong (vLLM recomputes them; the pool must not keep them). Its
-    saves are planned once the loads are known good (``next_save`` does not move)."""
+    saves are planned once the loads are known good (``next_save`` does not move).
+
+    A hybrid model's blocks are saved in every KV cache group (one op per group), sliding
+    windows too: every block a step computed is still allocated when the step's saves are
+    planned (the scheduler pins those vLLM would free mid-request until their saves end);
+    a null block (a window's block vLLM no longer holds) is never saved."""
     saves = []
     for rid in scheduled:
         st = reqs.get(rid)
@@ -93,18 +117,23 @@ def plan_saves(
             continue
         req = st.request
         full = min(st.computed_tokens, req.num_prompt_tokens) // block_size
-        full = min(full, len(req.block_hashes), len(st.block_ids))
+        full = min(full, len(req.block_hashes), *(len(ids) for ids in st.group_ids or [[]]))
         if full <= st.next_save:
             continue
         if unverified and any(b in unverified for b in st.block_ids[:full]):
             continue
-        saves.append(
-            BlockOp(
-                rid,
-                tuple(hash_bytes(h) for h in req.block_hashes[st.next_save : full]),
-                tuple(st.block_ids[st.next_save : full]),
-            )
-        )
+        hashes = [hash_bytes(h) for h in req.block_hashes[st.next_save : full]]
+        for g, ids in enumerate(st.group_ids):
+            keep = [i for i, b in enumerate(ids[st.next_save : full]) if b != NULL_BLOCK]
+            if keep:
+                saves.append(
+                    BlockOp(
+                        rid,
+                        tuple(hashes[i] for i in keep),
+                        tuple(ids[st.next_save + i] for i in keep),
+                        group=g,
+                    )
+                )
         st.saved_blocks += full - st.next_save
         st.next_save = full
         st.saves_issued = True

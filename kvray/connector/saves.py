@@ -142,12 +142,14 @@ class Saver:
                     self._stats.add("save_failed_blocks", len(block_ids))
                     continue
                 try:
-                    stager.gather(block_ids, first)
+                    self._region.gather(chunk, first)
                 except BaseException:
                     stager.release(first, len(block_ids))
                     raise
+            # (a hybrid model's batches are each one KV cache group's blocks: all count)
+            grouped = self._region.kv_grouped
             calls = [
-                self._send(chunk, batch, counts_blocks=part == 0)
+                self._send(chunk, batch, counts_blocks=part == 0 or grouped)
                 for part, batch in enumerate(self._region.batches(chunk, first))
             ]
             if first is not None:

@@ -35,12 +35,14 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
+from kvray.connector.kv_groups import NULL_BLOCK, SLIDING
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
 from kvray.connector.lookup import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.own_saves import OwnSaves
 from kvray.connector.pd_params import PDParams
+from kvray.connector.pins import BlockPins
 from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
@@ -50,6 +52,7 @@ from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -124,6 +127,8 @@ class KVRayScheduler:
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
         self._own_saves = OwnSaves(pool.config.call_timeout_s, self._lookups.timeout_s)
+        self._pins = BlockPins()
+        """Sliding-window blocks held until their saves ended (a hybrid model's)."""
         """This instance's saves in flight, which its lookups wait for."""
         self.load_failure_policy = ""
         """What vLLM does with failed loads (from the workers' handshake)."""
@@ -171,7 +176,7 @@ class KVRayScheduler:
         self._use_places(places)
         self._use_policy({m.load_failure_policy for m in ours} - {""})
         space = self.info.space
-        full = tuple(geometries.get(r, "") for r in range(space.world_size))
+        full = tuple(geometries.get(r, "") for r in range(space.world_size * space.kv_groups))
         self.info = replace(self.info, space=replace(space, geometries=full))
         self._lookups.space = self.info.space
         if not self.info.space.complete:
@@ -186,6 +191,7 @@ class KVRayScheduler:
             space.namespace,
             space.layout,
             ",".join(full),
+            f", kv_groups {space.kv_groups}" if space.kv_groups > 1 else "",
         )
 
     def _use_policy(self, policies: set[str]) -> None:
@@ -358,18 +364,25 @@ class KVRayScheduler:
         st = self._reqs.get(request.request_id)
         if st is None:  # admitted without a lookup (e.g. resumed): nothing to load
             st = self._reqs[request.request_id] = RequestState(request, 0)
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.set_blocks(blocks.get_block_ids())
         if num_external_tokens <= 0:
             return
         first, last = st.local_blocks, st.local_blocks + st.pool_blocks
-        op = BlockOp(
-            request.request_id,
-            tuple(hash_bytes(h) for h in request.block_hashes[first:last]),
-            tuple(st.block_ids[first:last]),
-        )
-        (self._async_loads if self.info.config.load_async else self._loads).append(op)
-        for block_id in op.block_ids:
-            self._block_owner[block_id] = request.request_id
+        hashes = [hash_bytes(h) for h in request.block_hashes[first:last]]
+        queue = self._async_loads if self.info.config.load_async else self._loads
+        for g, ids in enumerate(st.group_ids):
+            # A sliding window's blocks before its window are vLLM's null block: not loaded.
+            keep = [i for i, b in enumerate(ids[first:last]) if b != NULL_BLOCK]
+            op = BlockOp(
+                request.request_id,
+                tuple(hashes[i] for i in keep),
+                tuple(ids[first + i] for i in keep),
+                group=g,
+            )
+            queue.append(op)
+            if len(st.group_ids) == 1:  # (a hybrid model's failures are per request)
+                for block_id in op.block_ids:
+                    self._block_owner[block_id] = request.request_id
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -387,9 +400,10 @@ class KVRayScheduler:
         saves, self._late_saves = self._late_saves, []
         if self.info.can_save:
             planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
-            saves += planned
+            saves += self._pin_windows(planned)
             if self._describer is not None:
-                self._describer.describe(planned, self._reqs, self.info.space)
+                first_group = [op for op in planned if op.group == 0]
+                self._describer.describe(first_group, self._reqs, self.info.space)
         self._own_saves.saving(self._step, tuple(h for op in saves for h in op.block_hashes))
         for rid in scheduler_output.preempted_req_ids or ():
             st = self._reqs.pop(rid, None)
@@ -405,6 +419,31 @@ class KVRayScheduler:
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
 
+    def _pin_windows(self, ops: list[BlockOp]) -> list[BlockOp]:
+        """``ops``, their sliding-window blocks held in vLLM's block pool until their
+        saves ended (:mod:`kvray.connector.pins`); without a block pool to hold them in,
+        those saves are dropped (said once), never sent over blocks vLLM may reuse."""
+        groups = self.info.groups
+        if len(groups) < 2:
+            return ops
+        windowed = [op for op in ops if groups[op.group].kind == SLIDING]
+        if self._pins.pin(self._step, [b for op in windowed for b in op.block_ids]):
+            return ops
+        self._warn_once(
+            "no-block-pool",
+            "KVRayConnector: vLLM bound no block pool to the connector: sliding-window blocks "
+            "are not stored (a hit of this model then needs its window from vLLM's own cache)",
+        )
+        return [op for op in ops if groups[op.group].kind != SLIDING]
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        self._pins.bind(pool)
+
+    def loaded_groups(self) -> tuple[int, ...]:
+        """The KV cache groups a load writes: every group (a sliding window's within its
+        window, which is all vLLM allocates there)."""
+        return tuple(range(max(1, len(self.info.groups))))
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
@@ -412,6 +451,12 @@ class KVRayScheduler:
             if self._unverified:  # that step's failed loads are in this output
                 self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
             self._own_saves.ended_through(times.saved_through)
+            self._pins.release_through(times.saved_through)
+        for rid in getattr(output, "failed_recving", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:  # vLLM recomputes it from its first token (or fails it)
+                st.load_failed_blocks += st.pool_blocks
+                st.next_save = st.local_blocks
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -425,6 +470,16 @@ class KVRayScheduler:
                 if block_id in st.block_ids:
                     st.next_save = min(st.next_save, st.block_ids.index(block_id))
         self._report_finished()
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with every KV cache group's blocks (vLLM's now: a sliding
+        window's left-behind blocks already its null block, never saved late)."""
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.group_ids and len(block_ids) == len(st.group_ids):
+            st.set_blocks(block_ids)
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -440,9 +495,10 @@ class KVRayScheduler:
             # now; one aborted meanwhile may still sit on a failed load: dropped.
             held = () if _finished_normally(request) else self._unverified
             late = plan_saves({rid: st}, (rid,), self.block_size, held)
-            self._late_saves += late
+            self._late_saves += self._pin_windows(late)
             if self._describer is not None:
-                self._describer.describe(late, {rid: st}, self.info.space)
+                first_group = [op for op in late if op.group == 0]
+                self._describer.describe(first_group, {rid: st}, self.info.space)
         self._timelines.finished(rid, st)
         if st is None:
             self._release_blocks(rid, block_ids)

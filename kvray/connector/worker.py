@@ -134,6 +134,7 @@ class KVRayWorker:
         self.load_failure_policy = worker_applied_policy(self.info.load_failure_policy)
         if not kv_caches:
             raise ConfigError("KVRayConnector: the engine registered no KV cache layers")
+        kv_caches = self._group_major(kv_caches)
         shm = self._allocator.region if self._allocator else None
         if shm is not None:
             region = self._region = KVRegion.shared(self.info, self.rank, shm, kv_caches)
@@ -149,6 +150,7 @@ class KVRayWorker:
             region = self._region = KVRegion.staged(self.info, self.rank, kv_caches, prefix)
             placement = "staged"
         region.split_blocks(list(kv_caches), tp_rank)
+        region.use_kv_groups([len(g.layer_names) for g in self.info.groups])
         # The block geometry is in every key (kvray.keys): an engine whose bytes are
         # shaped otherwise (attention backend, platform, PP partition) never shares keys
         # with this one, whatever the pool remembers or forgot. The scheduler learns it
@@ -172,6 +174,23 @@ class KVRayWorker:
             region.spec.region_id,
             "the node channel" if self._channel and self._channel.attached else "Ray calls",
         )
+
+    def _group_major(self, kv_caches: Mapping[str, KVEntry]) -> Mapping[str, KVEntry]:
+        """A hybrid model's layers in KV cache group order (each group's layers one run:
+        its columns); vLLM's own order for one group. A layer of a group appears once per
+        group it is in (vLLM's groups share the cache tensors of their i-th layers)."""
+        groups = self.info.groups
+        if len(groups) < 2:
+            return kv_caches
+        names = [n for g in groups for n in g.layer_names]
+        missing = sorted(set(names) - set(kv_caches))
+        extra = sorted(set(kv_caches) - set(names))
+        if missing or extra:
+            raise ConfigError(
+                f"KVRayConnector: the KV cache groups name layers {missing} the engine did not "
+                f"register, or it registered {extra} outside every group: kvray's bug"
+            )
+        return {n: kv_caches[n] for n in names}
 
     def handshake(self) -> KVRayHandshake | None:
         """What the scheduler side needs of this worker (None before registration)."""
@@ -271,6 +290,13 @@ class KVRayWorker:
             self._clock.saving(t0, time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.transfer_results()
+        return sending or None, recving or None
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """Requests whose saves ended (finished ones: their blocks may be freed), whose
+        async loads ended, and which of those failed (a hybrid model's, whose failed loads
+        vLLM takes per request)."""
         loads, saves = self._loads, self._saves
         if loads is not None and saves is not None:
             loads.finish_layerwise()
@@ -280,10 +306,11 @@ class KVRayWorker:
         sending = {rid for rid in self._finishing if saves is None or not saves.saving(rid)}
         self._finishing -= sending
         recving: set[str] = set()
+        failed: set[str] = set()
         if loads is not None:
             loads.poll_async()
-            recving = loads.finished()
-        return sending or None, recving or None
+            recving, failed = loads.finished()
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._loads.take_errors() if self._loads is not None else set()

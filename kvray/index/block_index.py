@@ -474,13 +474,12 @@ class BlockIndex:
 
 def space_digests(space: KeySpace, hashes: Sequence[bytes]) -> np.ndarray:
     """The digests of every key of ``hashes`` for an instance, ``(columns, blocks)``:
-    row ``c`` is column ``c`` of :meth:`KeySpace.lookup_key_strs` (rank ``c //
-    layer_groups``, group ``c % layer_groups``), without a string per key."""
+    row ``c`` is column ``c`` of :meth:`KeySpace.lookup_key_strs`, without a string per
+    key."""
     folded = fold_hashes(hashes)
     out = np.empty((space.columns, len(hashes)), dtype=np.uint64)
-    for c in range(space.columns):
-        rank, group = divmod(c, space.layer_groups)
-        out[c] = digests(_salt(space.column_prefix(rank, group)), folded)
+    for c, prefix in enumerate(space.column_prefixes()):
+        out[c] = digests(_salt(prefix), folded)
     return out
 
 

@@ -219,9 +219,7 @@ class BlockCatalog:
         keys: list[str] = []
         for sp in self._spaces.values():
             space = sp.space
-            prefixes = [
-                space.column_prefix(*divmod(c, space.layer_groups)) for c in range(space.columns)
-            ]
+            prefixes = space.column_prefixes()
             for block in sp.blocks.values():
                 if medium in block.media:
                     tail = block.info.block_hash.hex()

@@ -217,7 +217,7 @@ class LookupService:
         missed); hits is -1 for a timed-out or failed ask (counted, logged once)."""
         try:
             present, dram = await asyncio.wait_for(
-                self._present(keys, n, space.layer_groups, placement), timeout_s
+                self._present(keys, n, space.columns // space.world_size, placement), timeout_s
             )
         except TimeoutError:
             self.stats.lookup_timeouts += 1

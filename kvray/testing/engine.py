@@ -454,6 +454,7 @@ def _engine(spec: dict[str, Any]) -> int:
             "seconds": time.perf_counter() - t0,
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "finish_reasons": [str(o.outputs[0].finish_reason) for o in outs],
+            "cached_tokens": [o.num_cached_tokens or 0 for o in outs],
             "lines": [line.counts | {"request_id": line.request_id} for line in collect.lines],
             "block_hashes": [_pop_hashes(hashes, o.request_id) for o in outs] if hooked else [],
             "timelines": list(collect.timelines),
@@ -502,6 +503,9 @@ def _engine(spec: dict[str, Any]) -> int:
                 if core is not None:
                     _wait_saves(core, connector)
                 reply({})
+            elif op == "kv_cache_groups":  # what vLLM's (hybrid) allocator made
+                groups = core.scheduler.kv_cache_config.kv_cache_groups if core else []
+                reply({"groups": [type(g.kv_cache_spec).__name__ for g in groups]})
             elif op == "reset_prefix_cache":
                 reply({"reset": bool(llm.reset_prefix_cache())})
             elif op == "quit":

@@ -46,6 +46,7 @@ def test_key_space_round_trips_and_is_none_before_the_line():
         "tiny-m0123456789ab",
         "float32-b128-h4x64",
         ",".join(geos),
+        "",
     )
     tp = key_space(line)
     assert tp is not None and (tp.namespace, tp.layout, tp.tp_size, tp.pp_size) == (
@@ -53,3 +54,8 @@ def test_key_space_round_trips_and_is_none_before_the_line():
     assert tp.geometries == tuple(geos)
     pp = key_space(line, pp_size=2)
     assert pp is not None and (pp.tp_size, pp.pp_size) == (1, 2)
+    # a hybrid model: one geometry per rank and KV cache group, the group count after them
+    hybrid = key_space(line.replace(",".join(geos), ",".join(geos) + ", kv_groups 2"))
+    assert hybrid is not None
+    assert (hybrid.tp_size, hybrid.kv_groups, hybrid.geometries) == (1, 2, tuple(geos))
+    assert hybrid.columns == 2 and hybrid.geometry_of(0, 1) == geos[1]

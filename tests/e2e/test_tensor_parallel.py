@@ -71,3 +71,30 @@ def test_tp2_staged_loads_what_tp2_shared_stored(
     assert out["log"].count("staged placement") == 2, "both workers use staging"
     ranks = pool2.stats().ranks
     assert [r.stats.get_keys for r in ranks] == [6, 6]
+
+
+def test_tp2_hybrid_model_ranks_store_and_load_every_group(
+    pool2, ray_cluster, tiny_gemma3, tmp_path
+):
+    """The tiny Gemma 3 (three sliding-window groups, one full) at TP 2: each rank keys its
+    half of every group's heads apart, saves every block of every group, and loads the full
+    group's blocks and each sliding group's window block; same tokens as TP 2 without a
+    connector."""
+    runs = {"model": tiny_gemma3, "tp": 2, "env": TP_ENV, "runs": [[PROMPT], [PROMPT]]}
+    base = run_engine(ray_cluster, tmp_path, "tp-hybrid-base", {**runs, "connector": None})
+    want = base["runs"][0]["outputs"][0]
+    before = [r.stats for r in pool2.stats().ranks]
+    conn = {"extra": {"pool_name": "e2e-tp", "namespace": "kvray"}}
+    out = run_engine(
+        ray_cluster, tmp_path, "tp-hybrid",
+        {**runs, "connector": conn, "wait_saves_for": "e2e-tp"},
+    )  # fmt: skip
+    assert [r["outputs"][0] for r in out["runs"]] == [want] * 2
+    first, second = request_counts(out["log"])[:2]
+    assert (first["hit_pool"], first["saved"]) == (0, 3), first
+    assert (second["hit_pool"], second["loaded"], second["failed"]) == (3, 3, 0), second
+    after = [r.stats for r in pool2.stats().ranks]
+    # Per rank: 3 blocks x 4 groups stored; loaded: the full group's 3 blocks and, of each
+    # sliding group, the one block inside its 64-token window before the hit's end.
+    assert [a.put_keys - b.put_keys for a, b in zip(after, before, strict=True)] == [12, 12]
+    assert [a.get_keys - b.get_keys for a, b in zip(after, before, strict=True)] == [6, 6]

@@ -103,6 +103,24 @@ def tiny_gemma3(tmp_path_factory):
     return str(root / "tiny-gemma3")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory):
+    """The tiny Qwen3-Next (Gated DeltaNet and full-attention layers: state groups beside
+    an attention group), built once per run like ``tiny_model``; vLLM runs it in bfloat16."""
+    from kvray.testing.tiny_model import build_tiny_qwen3_next
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_qwen3_next(tmp_path_factory.mktemp("model") / "tiny-qwen3-next"))
+    root = run_dir(tmp_path_factory)
+    with open(root / "tiny-qwen3-next.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-qwen3-next.done"
+        if not done.exists():
+            build_tiny_qwen3_next(root / "tiny-qwen3-next")
+            done.touch()
+    return str(root / "tiny-qwen3-next")
+
+
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
     one worker), and so is the multi-node harness (one two-node cluster for its tests), and

@@ -1,9 +1,9 @@
 """Build small checkpoints locally (no downloads) for tests, demos and benchmarks.
 
 A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` (or, for
-a hybrid-attention model, a ``Gemma3ForCausalLM``) with seeded random weights, saved with
-``save_pretrained``: vLLM loads it like any model directory. Building is deterministic, so
-two builds give the same outputs.
+a hybrid-attention model, a ``Gemma3ForCausalLM`` or a ``Qwen3NextForCausalLM``) with seeded
+random weights, saved with ``save_pretrained``: vLLM loads it like any model directory.
+Building is deterministic, so two builds give the same outputs.
 """
 
 from __future__ import annotations
@@ -156,6 +156,88 @@ def build_tiny_gemma3(
     )
     torch.manual_seed(seed)
     Gemma3ForCausalLM(config).save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path
+
+
+def build_tiny_qwen3_next(
+    path: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    linear_num_key_heads: int = 1,
+    linear_num_value_heads: int = 2,
+    linear_head_dim: int = 128,
+    linear_conv_kernel_dim: int = 4,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 128,
+    full_every: int = 4,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A hybrid linear-attention model: a ``Qwen3NextForCausalLM`` whose every
+    ``full_every``-th layer is full attention and the others Gated DeltaNet (a recurrent
+    state per request, vLLM's ``MambaSpec``), each layer with a small mixture of experts
+    (vLLM's Qwen3-Next needs one), so that vLLM's hybrid KV cache manager makes state
+    groups beside a full-attention group (the defaults: three linear-attention layers and
+    one full). vLLM's CPU build runs it in
+    bfloat16 only and needs ``linear_head_dim`` 128. Written to ``path`` like
+    :func:`build_tiny_llama` (skipped if a build with these settings is there)."""
+    path = Path(path)
+    settings = {
+        "model": "qwen3_next", "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "num_layers": num_layers, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim, "linear_num_key_heads": linear_num_key_heads,
+        "linear_num_value_heads": linear_num_value_heads,
+        "linear_head_dim": linear_head_dim, "linear_conv_kernel_dim": linear_conv_kernel_dim,
+        "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+        "moe_intermediate_size": moe_intermediate_size, "full_every": full_every,
+        "max_positions": max_positions, "seed": seed,
+        "chat_template": CHAT_TEMPLATE,
+    }  # fmt: skip
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, vocab_size)
+    layer_types = [
+        "full_attention" if (i + 1) % full_every == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+    config = Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        linear_conv_kernel_dim=linear_conv_kernel_dim,
+        layer_types=layer_types,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=moe_intermediate_size,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.bfloat16().save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path
 

@@ -190,15 +190,14 @@ class KeySpace:
                 f"{self.tp_size * self.pp_size} ranks x {self.kv_groups} KV cache groups (one "
                 "per rank and group, or none)"
             )
-        if (
-            self.kv_groups > 1
-            and self.geometries
-            and len(set(self.geometries) - {""}) < len([g for g in self.geometries if g])
-        ):
-            raise KeyFormatError(
-                "KeySpace.geometries: two ranks or KV cache groups share a geometry digest; "
-                "each group's keys must be its own"
-            )
+        k = self.kv_groups
+        for r in range(self.tp_size * self.pp_size if self.geometries and k > 1 else 0):
+            known = [g for g in self.geometries[r * k : (r + 1) * k] if g]
+            if len(set(known)) < len(known):
+                raise KeyFormatError(
+                    f"KeySpace.geometries: two KV cache groups of rank {r} share a geometry "
+                    "digest; each group's keys must be its own"
+                )
         for g in self.geometries:
             if g and not _GEOMETRY_RE.match(g):
                 raise KeyFormatError(f"KeySpace.geometries: {g!r} is not a geometry_digest")

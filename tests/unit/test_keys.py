@@ -11,6 +11,7 @@ from kvray.keys import (
     KVLayout,
     chain_block_hashes,
     geometry_digest,
+    group_geometry_digest,
     hash_block,
     probe_hash,
 )
@@ -170,3 +171,28 @@ def test_keyspace_geometries_are_checked():
     assert mine.rank_key_strs([b"\1"], 1)[0].startswith(f"m@{LAYOUT}@g{g}@tp1@")
     with pytest.raises(KeyFormatError, match="no block geometry for rank 0"):
         mine.rank_key_strs([b"\1"], 0)
+
+
+def test_each_kv_cache_group_of_a_hybrid_model_has_keys_of_its_own():
+    h = hash_block(None, [1, 2, 3])
+    layers = ["model.layers.0.attn", "model.layers.1.attn"]
+    window = group_geometry_digest("p2x128x2x128", "sliding_window=64", layers[:1])
+    full = group_geometry_digest("p2x128x2x128", "full", layers[1:])
+    # the same bytes per block and layer, another kind: another digest
+    assert group_geometry_digest("p2x128x2x128", "full", layers[:1]) != window
+    assert group_geometry_digest("p2x128x2x128", "sliding_window=128", layers[:1]) != window
+    # TP 2, two groups: entry rank * 2 + group; ranks share digests (their tp part differs)
+    space = KeySpace("m", LAYOUT, tp_size=2, geometries=(window, full, window, full), kv_groups=2)
+    assert space.columns == 4
+    assert [space.column(c) for c in range(4)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    keys = space.lookup_key_strs([h])
+    assert len(set(keys)) == 4
+    assert keys[1] == space.key(h, tp_rank=0, kv_group=1).to_str()
+    assert f"@g{full}@tp1@" in keys[3] and f"@g{window}@tp1@" in keys[2]
+    assert space.column_prefixes() == [k.removesuffix(h.hex()) for k in keys]
+    with pytest.raises(KeyFormatError, match="outside 0..1"):
+        space.rank_key_strs([h], 0, kv_group=2)
+    with pytest.raises(KeyFormatError, match="2 ranks x 2 KV cache groups"):
+        KeySpace("m", LAYOUT, tp_size=2, geometries=(window, full), kv_groups=2)
+    with pytest.raises(KeyFormatError, match="two KV cache groups of rank 1 share"):
+        KeySpace("m", LAYOUT, tp_size=2, geometries=(window, full, full, full), kv_groups=2)

@@ -180,7 +180,9 @@ def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeyS
     x K)."""
     head, _, listed = text.partition(", block geometries ")
     listed, _, groups = listed.partition(", kv_groups ")
+    groups, _, states = groups.partition(" (state ")
     kv_groups = int(groups) if groups.strip().isdigit() else 1
+    state = tuple(int(s) for s in states.rstrip(")").split(",") if s.strip().isdigit())
     namespace, at, layout = head.strip().partition("@")
     if not (namespace and at and layout) or " " in layout:
         raise ConfigError(
@@ -189,7 +191,7 @@ def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeyS
         )
     geometries = tuple(g for g in listed.split(",") if g)
     tp = len(geometries) // (pp_size * kv_groups) if geometries else tp_size
-    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries, kv_groups)
+    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries, kv_groups, state)
 
 
 def cmd_prefix_match(args: argparse.Namespace) -> int:

@@ -181,6 +181,10 @@ class KeySpace:
     kv_groups: int = 1
     """KV cache groups of the engine (vLLM's hybrid allocator): keys per block and rank,
     each group's own (its geometry names it)."""
+    state_groups: tuple[int, ...] = ()
+    """The KV cache groups whose key of a block holds the recurrent state at its end
+    (Mamba, linear attention): a hit of ``h`` blocks needs their key of block ``h - 1``
+    only, the other groups' keys of every block before ``h``."""
 
     def __post_init__(self) -> None:
         slots = self.tp_size * self.pp_size * self.kv_groups
@@ -189,6 +193,11 @@ class KeySpace:
                 f"KeySpace.geometries has {len(self.geometries)} entries for "
                 f"{self.tp_size * self.pp_size} ranks x {self.kv_groups} KV cache groups (one "
                 "per rank and group, or none)"
+            )
+        if not set(self.state_groups) <= set(range(self.kv_groups)):
+            raise KeyFormatError(
+                f"KeySpace.state_groups {self.state_groups} are not all among the "
+                f"{self.kv_groups} KV cache groups"
             )
         k = self.kv_groups
         for r in range(self.tp_size * self.pp_size if self.geometries and k > 1 else 0):
@@ -225,6 +234,11 @@ class KeySpace:
         rank, rest = divmod(c, self.kv_groups * self.layer_groups)
         kv_group, group = divmod(rest, self.layer_groups)
         return rank, group, kv_group
+
+    def state_columns(self) -> list[bool]:
+        """Per column, whether it is a state group's (:attr:`state_groups`)."""
+        states = set(self.state_groups)
+        return [self.column(c)[2] in states for c in range(self.columns)]
 
     def column_prefixes(self) -> list[str]:
         """:meth:`column_prefix` of every column, in column order."""

@@ -91,7 +91,14 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     groups = kv_groups(kv_cache_config)
     if len(groups) > 1:
         cfg = _for_groups(cfg, len(groups))
-    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    attention = [g for g in groups if g.positional]
+    if not attention:
+        raise ConfigError(
+            "KVRayConnector: this model has no attention layer (only recurrent states): "
+            "kvray pools models with at least one; run it without KVRayConnector"
+        )
+    # (the key's layout tag: the first attention group's; each group's geometry names its own)
+    spec: Any = kv_cache_config.kv_cache_groups[attention[0].index].kv_cache_spec
     dtype = str(spec.dtype).removeprefix("torch.")
     layout = KVLayout(dtype, spec.block_size, spec.num_kv_heads, spec.head_size).tag()
     namespace = cfg.model_namespace or default_namespace(vllm_config)
@@ -108,6 +115,7 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         pp_size,
         layer_groups,
         kv_groups=len(groups),
+        state_groups=tuple(g.index for g in groups if not g.positional),
     )
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"

@@ -69,6 +69,8 @@ class KVRegion:
         self._layer_offsets: np.ndarray | None = None
         self._block_stride = 0
         self._block_bytes = 0
+        self._layer_bytes: np.ndarray | None = None
+        """Shared: bytes of one block of each layer (a hybrid model's may differ)."""
         self.parts: list[Part] = []
         """Keys per block when a block is several keys (prefill PP stages or layer-wise
         groups), each with its columns; empty: one key of all columns."""
@@ -101,7 +103,12 @@ class KVRegion:
                 f"KVRayConnector: layers have different block strides {sorted(strides)}"
             )
         stride = strides.pop()
-        block_bytes = tensors[0][0].numel() * tensors[0].element_size()
+        layer_bytes = [t[0].numel() * t.element_size() for t in tensors]
+        if len(set(layer_bytes)) > 1 and len(info.groups) < 2:
+            raise ConfigError(
+                f"KVRayConnector: layers have different block sizes {sorted(set(layer_bytes))} "
+                "bytes; kvray stores models whose layers share one"
+            )
         for t in tensors:
             nbytes = t.shape[0] * stride
             assert base <= t.data_ptr() and t.data_ptr() + nbytes <= end, (
@@ -109,10 +116,11 @@ class KVRegion:
                 "changed; kvray's SharedKVAllocator must be updated"
             )
             assert t[0].is_contiguous(), "KVRayConnector: a KV block is not contiguous"
-        self = cls(info, rank, region.spec, len(tensors), block_bytes * len(tensors))
+        self = cls(info, rank, region.spec, len(tensors), sum(layer_bytes))
         self._layer_offsets = np.array([t.data_ptr() - base for t in tensors], dtype=np.int64)
         self._block_stride = stride
-        self._block_bytes = block_bytes
+        self._block_bytes = layer_bytes[0]
+        self._layer_bytes = np.array(layer_bytes, dtype=np.int64)
         return self
 
     @classmethod
@@ -128,6 +136,7 @@ class KVRegion:
             info.config.kv_staging_size,
             prefix,
             default_slots=2 * max(info.max_step_blocks, 1),
+            mixed=len(info.groups) > 1,
         )
         self = cls(info, rank, stager.region.spec, stager.num_layers, stager.block_bytes)
         self.stager = stager
@@ -144,9 +153,16 @@ class KVRegion:
     def geometry_tag(self, kv_caches: Mapping[str, KVEntry]) -> str:
         """The order of a block's bytes (the key's layout tag does not name it: it
         depends on the attention backend)."""
+        return self._tag(kv_caches, 0, len(kv_caches))
+
+    def _tag(self, kv_caches: Mapping[str, KVEntry], lo: int, hi: int) -> str:
+        """:meth:`geometry_tag` of layers ``lo..hi`` (one KV cache group's), which must
+        share one geometry."""
         if self.stager is not None:
-            return geometry_tag(self.stager.geometry)
-        geoms = {n: layer_geometry(e, self.info.num_blocks, n) for n, e in kv_caches.items()}
+            layers = self.stager.layer_geometries[lo:hi]
+            return geometry_tag(check_uniform({str(lo + i): g for i, g in enumerate(layers)}))
+        names = list(kv_caches)[lo:hi]
+        geoms = {n: layer_geometry(kv_caches[n], self.info.num_blocks, n) for n in names}
         return geometry_tag(check_uniform(geoms))
 
     def rank_geometries(self, kv_caches: Mapping[str, KVEntry]) -> dict[int, str]:
@@ -154,14 +170,16 @@ class KVRegion:
         (:func:`~kvray.keys.geometry_digest`): its own rank's, or, split by a prefill's
         PP stages, each stage's (that stage's layers, as the prefill worker of that stage
         names them). Call after :meth:`split_blocks`."""
-        order = self.geometry_tag(kv_caches)
         names = list(kv_caches)
         if self.kv_cols:
             k, groups = len(self.kv_cols), self.info.groups
             return {
-                self.rank * k + g: group_geometry_digest(order, group.identity, names[lo:hi])
+                self.rank * k + g: group_geometry_digest(
+                    self._tag(kv_caches, lo, hi), group.identity, names[lo:hi]
+                )
                 for g, ((lo, hi), group) in enumerate(zip(self.kv_cols, groups, strict=True))
             }
+        order = self.geometry_tag(kv_caches)
         if not self.info.split_stages:
             return {self.rank: geometry_digest(order, names)}
         planes = self.stager.planes_per_layer if self.stager else 1
@@ -233,7 +251,10 @@ class KVRegion:
         if not self.kv_cols:
             return self.row_bytes
         lo, hi = self.kv_cols[group]
-        return self.row_bytes * (hi - lo) // self.num_layers
+        if self.stager is not None:
+            return sum(g.nbytes for g in self.stager.layer_geometries[lo:hi])
+        assert self._layer_bytes is not None
+        return int(self._layer_bytes[lo:hi].sum())
 
     def _planes(self) -> int:
         return self.stager.planes_per_layer if self.stager is not None else 1
@@ -274,7 +295,8 @@ class KVRegion:
                 assert self._layer_offsets is not None
                 ids = np.array([b for op in run for b in op.block_ids], dtype=np.int64)
                 offsets = self._layer_offsets[None, lo:hi] + ids[:, None] * self._block_stride
-                lengths = np.full(offsets.shape, self._block_bytes, dtype=np.int64)
+                assert self._layer_bytes is not None
+                lengths = np.broadcast_to(self._layer_bytes[lo:hi], offsets.shape).copy()
             else:
                 assert self.stager is not None
                 offsets, lengths = self.stager.offsets(first_slot + pos, n)

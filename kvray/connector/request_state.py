@@ -97,6 +97,7 @@ def plan_saves(
     scheduled: Iterable[str],
     block_size: int,
     unverified: Container[int] = (),
+    state_groups: Container[int] = (),
 ) -> list[BlockOp]:
     """Prompt blocks completed (by this step or, held, earlier) and not yet in the pool.
 
@@ -124,6 +125,8 @@ def plan_saves(
             continue
         hashes = [hash_bytes(h) for h in req.block_hashes[st.next_save : full]]
         for g, ids in enumerate(st.group_ids):
+            if g in state_groups:  # saved as vLLM offers them (offered_states), never by position
+                continue
             keep = [i for i, b in enumerate(ids[st.next_save : full]) if b != NULL_BLOCK]
             if keep:
                 saves.append(
@@ -138,3 +141,37 @@ def plan_saves(
         st.next_save = full
         st.saves_issued = True
     return saves
+
+
+def offered_states(
+    reqs: dict[str, RequestState], output: SchedulerOutput, block_size: int
+) -> list[BlockOp]:
+    """The recurrent states (Mamba, linear attention) the step computes at block
+    boundaries of its requests' prompts, as vLLM offers them to the connector
+    (``kv_connector_block_state.boundary_state_offloads``: KV cache group, block id, tokens
+    before the boundary). The state after ``T`` tokens is keyed by the hash of the block
+    ending at ``T``; a state inside a pool hit (loaded) is not saved again."""
+    state = getattr(output, "kv_connector_block_state", None)
+    offers = getattr(state, "boundary_state_offloads", None) or {}
+    ops = []
+    for rid, entries in offers.items():
+        st = reqs.get(rid)
+        if st is None:
+            continue
+        req = st.request
+        loaded = st.local_blocks + st.pool_blocks if st.pool_blocks else 0
+        for group, block_id, tokens in entries:
+            end, rest = divmod(int(tokens), block_size)
+            if rest or not loaded < end <= min(
+                len(req.block_hashes), req.num_prompt_tokens // block_size
+            ):
+                continue
+            ops.append(
+                BlockOp(
+                    rid,
+                    (hash_bytes(req.block_hashes[end - 1]),),
+                    (int(block_id),),
+                    group=int(group),
+                )
+            )
+    return ops

@@ -35,7 +35,7 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
-from kvray.connector.kv_groups import NULL_BLOCK, SLIDING
+from kvray.connector.kv_groups import NULL_BLOCK, SLIDING, STATE
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
 from kvray.connector.lookup import Lookups, PendingLookup
@@ -43,7 +43,13 @@ from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.own_saves import OwnSaves
 from kvray.connector.pd_params import PDParams
 from kvray.connector.pins import BlockPins
-from kvray.connector.request_state import RequestState, hash_bytes, plan_saves, track_scheduled
+from kvray.connector.request_state import (
+    RequestState,
+    hash_bytes,
+    offered_states,
+    plan_saves,
+    track_scheduled,
+)
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
@@ -59,6 +65,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvray.index.lookup import Place, Placement
+    from kvray.keys import KeySpace
     from kvray.launcher import PoolHandles
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,14 @@ def _finished_normally(request: Request) -> bool:
         RequestStatus.FINISHED_LENGTH_CAPPED,
         getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED),
     )
+
+
+def _groups_note(space: KeySpace) -> str:
+    """The keys line's tail: a hybrid model's group count and state groups."""
+    if space.kv_groups < 2:
+        return ""
+    states = f" (state {','.join(map(str, space.state_groups))})" if space.state_groups else ""
+    return f", kv_groups {space.kv_groups}{states}"
 
 
 class KVRayScheduler:
@@ -128,7 +143,9 @@ class KVRayScheduler:
         """Saves of finished requests that were held until their loads were known good."""
         self._own_saves = OwnSaves(pool.config.call_timeout_s, self._lookups.timeout_s)
         self._pins = BlockPins()
-        """Sliding-window blocks held until their saves ended (a hybrid model's)."""
+        """Sliding-window and state blocks held until their saves ended (a hybrid
+        model's)."""
+        self._state_groups = frozenset(info.space.state_groups)
         """This instance's saves in flight, which its lookups wait for."""
         self.load_failure_policy = ""
         """What vLLM does with failed loads (from the workers' handshake)."""
@@ -191,7 +208,7 @@ class KVRayScheduler:
             space.namespace,
             space.layout,
             ",".join(full),
-            f", kv_groups {space.kv_groups}" if space.kv_groups > 1 else "",
+            _groups_note(space),
         )
 
     def _use_policy(self, policies: set[str]) -> None:
@@ -244,7 +261,8 @@ class KVRayScheduler:
 
     def _start_lookup(self, request: Request, first_block: int) -> PendingLookup:
         want = max(0, self._pd.expected_blocks(request) - first_block)
-        hashes = [hash_bytes(h) for h in request.block_hashes[first_block:]]
+        last = self._lookup_blocks(request)
+        hashes = [hash_bytes(h) for h in request.block_hashes[first_block:last]]
         wait_s = self._pd.wait_s if want else 0.0
         pending = self._lookups.start(
             request.request_id, hashes, first_block, want, wait_s, self._placement
@@ -254,6 +272,15 @@ class KVRayScheduler:
             clock.timeline.lookup_sent_ms = clock.now_ms()
         self._own_saves.lookup_started(request.request_id)
         return pending
+
+    def _lookup_blocks(self, request: Request) -> int:
+        """Blocks of ``request`` a hit may cover: every full block; with state groups,
+        those ending before its last token (a hit's end is a block boundary, where the
+        state is, and vLLM computes at least one token)."""
+        n = len(request.block_hashes)
+        if self.info.space.state_groups:
+            n = min(n, (request.num_tokens - 1) // self.block_size)
+        return n
 
     def _clock(self, request: Request) -> RequestClock:
         return self._timelines.clock(request)
@@ -271,8 +298,8 @@ class KVRayScheduler:
     ) -> tuple[int | None, bool]:
         rid = request.request_id
         local = num_computed_tokens // self.block_size
-        hashes = request.block_hashes
-        if not self.info.can_load or len(hashes) <= local or not self._keys_known():
+        n = self._lookup_blocks(request)
+        if not self.info.can_load or n <= local or not self._keys_known():
             self._admit(RequestState(request, local, next_save=local))
             clock = self._clock(request)
             clock.timeline.admitted_ms = clock.now_ms()
@@ -313,15 +340,15 @@ class KVRayScheduler:
         clock.timeline.admitted_ms = clock.timeline.lookup_answered_ms
         self.stats.add("lookup_us", int((time.monotonic() - pending.started) * 1e6))
         self.stats.add("lookups")
-        self.stats.add("lookup_blocks", len(hashes) - local)
+        self.stats.add("lookup_blocks", n - local)
         self.stats.add("lookup_hit_blocks", hit)
-        if len(hashes) - local > hit:
-            self.stats.add(miss_counter(why or "not_stored"), len(hashes) - local - hit)
+        if n - local > hit:
+            self.stats.add(miss_counter(why or "not_stored"), n - local - hit)
         # A full hit still leaves the last token to compute: vLLM needs one new token.
         hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
         external = max(0, hit_tokens - num_computed_tokens)
         pool_blocks = -(-external // self.block_size) if external else 0
-        miss = (why or "not_stored") if len(hashes) - local > hit else ""
+        miss = (why or "not_stored") if n - local > hit else ""
         if self._own_saves.expired(rid):  # (the counters keep the index's reason)
             miss = miss and "save_in_flight"
         self._admit(
@@ -399,7 +426,10 @@ class KVRayScheduler:
                 self._unverified[block_id] = self._step
         saves, self._late_saves = self._late_saves, []
         if self.info.can_save:
-            planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified)
+            planned = plan_saves(
+                self._reqs, scheduled, self.block_size, self._unverified, self._state_groups
+            )
+            planned += offered_states(self._reqs, scheduler_output, self.block_size)
             saves += self._pin_windows(planned)
             if self._describer is not None:
                 first_group = [op for op in planned if op.group == 0]
@@ -426,7 +456,7 @@ class KVRayScheduler:
         groups = self.info.groups
         if len(groups) < 2:
             return ops
-        windowed = [op for op in ops if groups[op.group].kind == SLIDING]
+        windowed = [op for op in ops if groups[op.group].kind in (SLIDING, STATE)]
         if self._pins.pin(self._step, [b for op in windowed for b in op.block_ids]):
             return ops
         self._warn_once(
@@ -434,7 +464,7 @@ class KVRayScheduler:
             "KVRayConnector: vLLM bound no block pool to the connector: sliding-window blocks "
             "are not stored (a hit of this model then needs its window from vLLM's own cache)",
         )
-        return [op for op in ops if groups[op.group].kind != SLIDING]
+        return [op for op in ops if groups[op.group].kind not in (SLIDING, STATE)]
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         self._pins.bind(pool)
@@ -494,7 +524,7 @@ class KVRayScheduler:
             # its loads did not fail (a failed one is recomputed first), so they are good
             # now; one aborted meanwhile may still sit on a failed load: dropped.
             held = () if _finished_normally(request) else self._unverified
-            late = plan_saves({rid: st}, (rid,), self.block_size, held)
+            late = plan_saves({rid: st}, (rid,), self.block_size, held, self._state_groups)
             self._late_saves += self._pin_windows(late)
             if self._describer is not None:
                 first_group = [op for op in late if op.group == 0]
@@ -538,4 +568,5 @@ class KVRayScheduler:
             logger.info(REQUEST_FORMAT, *counts)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._awaiting_frees or self._delayed)
+        # (pinned blocks: their saves' end is only known through a later step's output)
+        return bool(self._awaiting_frees or self._delayed or self._pins.held)

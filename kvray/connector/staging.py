@@ -125,26 +125,39 @@ class Stager:
         prefix: str,
         *,
         default_slots: int = 64,
+        mixed: bool = False,
     ) -> None:
         """``staging_bytes`` (``kv_staging_size``) or, when None, ``default_slots``
-        blocks of staging."""
+        blocks of staging. ``mixed``: layers may differ in block geometry (a hybrid
+        model's groups: attention blocks beside recurrent states), each layer's segments
+        sized by its own; else they must share one."""
         if not kv_caches:
             raise ConfigError("KVRayConnector: the engine has no KV cache layers")
         layers = [planes_of(e) for e in kv_caches.values()]
         geometries = {n: layer_geometry(e, num_blocks, n) for n, e in kv_caches.items()}
-        self.geometry: LayerGeometry = check_uniform(geometries)
+        self.layer_geometries: list[LayerGeometry] = list(geometries.values())
+        """Each layer's, in order."""
+        self.geometry: LayerGeometry = (
+            self.layer_geometries[0] if mixed else check_uniform(geometries)
+        )
+        """The layers' one geometry (``mixed``: the first layer's)."""
+        if len({len(g.planes) for g in self.layer_geometries}) != 1:
+            raise ConfigError(
+                "KVRayConnector: KV cache layers differ in their number of planes; kvray "
+                "stages models whose layers share one"
+            )
         self.num_layers = len(layers)
         self._segs: list[tuple[torch.Tensor, PlaneGeometry]] = [
             (plane, g)
-            for planes in layers
-            for plane, g in zip(planes, self.geometry.planes, strict=True)
+            for planes, geom in zip(layers, self.layer_geometries, strict=True)
+            for plane, g in zip(planes, geom.planes, strict=True)
         ]
         """Segment (layer, plane) c = layer * planes + plane: its tensor and geometry."""
         devices = {plane.device for plane, _ in self._segs}
         if len(devices) != 1:
             raise ConfigError(f"KVRayConnector: KV cache layers on several devices {devices}")
         self.ops = DeviceOps(devices.pop())
-        self.block_bytes = self.geometry.nbytes * self.num_layers
+        self.block_bytes = sum(g.nbytes for g in self.layer_geometries)
         """Bytes of one block, all layers: one staging slot."""
         if staging_bytes is None:
             staging_bytes = default_slots * self.block_bytes

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.errors import ConfigError, RegionError
+from kvray.index.lookup import servable_hits
 from kvray.keys import KEY_SEP, KeySpace
 from kvray.shm import RegionSpec, SharedRegion
 
@@ -323,9 +324,7 @@ class BlockIndex:
         n = len(hashes)
         vals = self.tiers(space_digests(space, hashes).ravel()).reshape(space.columns, n)
         held = (vals & masks[:, None]) != 0
-        everywhere = held.all(axis=0)
-        hits = n if everywhere.all() else int(np.argmin(everywhere))
-        return hits, vals, held
+        return servable_hits(held, n, space), vals, held
 
     # ---- writing (the index keeper only) ---------------------------------------------
 

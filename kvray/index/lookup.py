@@ -41,13 +41,31 @@ from kvray.warn_once import WarnOnce
 logger = logging.getLogger(__name__)
 
 
-def leading_hits(present: Sequence[bool], num_blocks: int, columns: int) -> int:
+def leading_hits(present: Sequence[bool] | np.ndarray, num_blocks: int, columns: int) -> int:
     """Leading blocks present in every column (rank, and layer group when layer-wise);
     ``present`` is column-major."""
     if num_blocks == 0:
         return 0
     everywhere = np.asarray(present, dtype=bool).reshape(columns, num_blocks).all(axis=0)
     return num_blocks if everywhere.all() else int(np.argmin(everywhere))
+
+
+def servable_hits(present: Sequence[bool] | np.ndarray, num_blocks: int, space: KeySpace) -> int:
+    """Leading blocks the instance of ``space`` can load: :func:`leading_hits` of every
+    column, or, with state groups (a hybrid model's Mamba or linear-attention groups), the
+    deepest ``h`` such that every other column holds blocks ``0..h-1`` and every state
+    column holds block ``h - 1`` (the state at the hit's end): vLLM's own rule for such
+    models, a fixed point, not each group's longest hit."""
+    if not space.state_groups:
+        return leading_hits(present, num_blocks, space.columns)
+    if num_blocks == 0:
+        return 0
+    held = np.asarray(present, dtype=bool).reshape(space.columns, num_blocks)
+    state = np.array(space.state_columns())
+    others = held[~state].all(axis=0)
+    lead = num_blocks if others.all() else int(np.argmin(others))
+    ends = np.nonzero(held[state].all(axis=0)[:lead])[0]
+    return int(ends[-1]) + 1 if len(ends) else 0
 
 
 POLL_S = 0.01
@@ -229,11 +247,11 @@ class LookupService:
             self.stats.lookup_errors += 1
             self._warn_once("error", "lookup failed (%s): counted as a miss", exc)
             return -1, 0, "lookup_error"
-        hits = leading_hits(present, n, space.columns)
+        hits = servable_hits(present, n, space)
         why = self.classify(space, keys, n, present, hits)
         if dram is None or not hits:
             return hits, 0, why
-        return hits, hits - min(leading_hits(dram, n, space.columns), hits), why
+        return hits, hits - min(servable_hits(dram, n, space), hits), why
 
     async def _present(
         self, keys: list[str], n: int, groups: int = 1, placement: Placement | None = None

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvray.index.block_index import DRAM, BlockIndex, space_digests
-from kvray.index.lookup import leading_hits
+from kvray.index.lookup import servable_hits
 from kvray.keys import KeySpace
 
 
@@ -68,7 +68,7 @@ def match(
         ssd[node] = ssd.get(node, 0) | index.place_bit(node, slot, register=False)
 
     def leading(mask: int) -> int:
-        return leading_hits(((vals & np.uint32(mask)) != 0).ravel(), n, space.columns)
+        return servable_hits(((vals & np.uint32(mask)) != 0).ravel(), n, space)
 
     nodes = sorted(set(addresses) | set(ssd))
     return PrefixMatch(

@@ -56,6 +56,10 @@ Commands (live):
 - ``{"op": "drain"}`` -> ``{}``: step until the connector's saves are done.
 - ``{"op": "reset_prefix_cache"}`` -> ``{"reset": bool}``: vLLM's own prefix cache emptied,
   so a shared engine's next hit can only come from the pool.
+- ``{"op": "kv_cache_groups"}`` -> ``{"groups": [spec class names]}``: the KV cache
+  groups vLLM's allocator made (a hybrid model's, under its hybrid allocator).
+- ``{"op": "block_size"}`` -> ``{"block_size": int}``: the block size vLLM chose (a
+  hybrid model with state groups grows it).
 - ``{"op": "quit"}``.
 
 The first line a live engine writes is ``{"ready": true}`` once it is up.
@@ -413,7 +417,7 @@ def _engine(spec: dict[str, Any]) -> int:
     llm = LLM(
         model=spec["model"],
         enforce_eager=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_len", 4096),
         distributed_executor_backend=spec.get("executor"),
         tensor_parallel_size=spec.get("tp", 1),
@@ -506,6 +510,10 @@ def _engine(spec: dict[str, Any]) -> int:
             elif op == "kv_cache_groups":  # what vLLM's (hybrid) allocator made
                 groups = core.scheduler.kv_cache_config.kv_cache_groups if core else []
                 reply({"groups": [type(g.kv_cache_spec).__name__ for g in groups]})
+            elif op == "block_size":
+                config = core.scheduler.kv_cache_config if core else None
+                size = config.kv_cache_groups[0].kv_cache_spec.block_size if config else 0
+                reply({"block_size": size})
             elif op == "reset_prefix_cache":
                 reply({"reset": bool(llm.reset_prefix_cache())})
             elif op == "quit":

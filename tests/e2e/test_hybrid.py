@@ -139,3 +139,55 @@ def test_the_pool_keeps_the_windows_the_engines_own_cache_drops(
     assert [r["outputs"][0] for r in (first, again, half)] == gemma_reference([p1, p1, p2])
     assert again["cached_tokens"][0] > 0  # its own cache works for a whole repeat
     assert half["cached_tokens"] == [0]
+
+
+STATE_GROUPS = ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+"""The tiny Qwen3-Next's groups: one per Gated DeltaNet layer, one full attention."""
+
+
+def qwen_spec(model: str, placement: str | None) -> dict:  # type: ignore[type-arg]
+    """An engine of the tiny Qwen3-Next (bfloat16: vLLM's CPU GDN kernel needs it), with
+    vLLM's prefix cache on (its "align" mode keeps a state per block boundary)."""
+    return {**spec(model, placement), "dtype": "bfloat16", "prefix_caching": True}
+
+
+@pytest.fixture(scope="module")
+def qwen_block(engines, tiny_qwen3_next) -> int:  # type: ignore[no-untyped-def]
+    """The block size vLLM chose for the model (every group's: attention pages are
+    grown to hold a state page)."""
+    eng = engines.get(qwen_spec(tiny_qwen3_next, None))
+    return int(eng.call(op="block_size")["block_size"])
+
+
+def test_linear_attention_states_are_pooled_at_block_boundaries(
+    pool, engines, tiny_qwen3_next, qwen_block, request, placement
+):
+    """A Gated DeltaNet model: the states vLLM offers at block boundaries are stored beside
+    the attention blocks; after vLLM's own cache is emptied the repeat loads the attention
+    blocks up to the last stored state and that state, and its tokens equal an engine
+    without a connector."""
+    bs = qwen_block
+    p1 = own_prompts(request, 2 * bs + 40, salt="p1")
+    other = own_prompts(request, 2 * bs + 40, salt="other")
+    plain = engines.get(qwen_spec(tiny_qwen3_next, None))
+    want, want_other = plain.generate([p1, other], max_tokens=16)["outputs"]
+    want = [want]
+    assert want != [want_other]  # the oracle can tell contexts apart
+    groups = plain.call(op="kv_cache_groups")["groups"]
+    eng = engines.get(qwen_spec(tiny_qwen3_next, placement))
+    assert eng.call(op="kv_cache_groups")["groups"] == groups == STATE_GROUPS
+    assert ", kv_groups 4 (state 0,1,2)" in eng.log(), eng.log()[-3000:]
+    first = eng.generate([p1], max_tokens=16)
+    assert first["outputs"] == want
+    # vLLM's own cache emptied before each generate: only the pool can serve the repeat
+    again = eng.generate([p1], max_tokens=16)
+    assert again["outputs"] == want
+    (line,) = again["lines"]
+    pool_hit(line, 2)
+    assert again["cached_tokens"] == [2 * bs]
+    # the hit's keys (attention blocks and states) removed behind kvray's back: vLLM
+    # takes the failed receive and recomputes the request, same tokens
+    dropped = eng.generate([p1], max_tokens=16, drop=True)
+    assert dropped["outputs"] == want
+    (line,) = dropped["lines"]
+    assert line["hit_pool"] == 2 and line["failed"] == 2, line

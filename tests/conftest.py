@@ -121,6 +121,24 @@ def tiny_qwen3_next(tmp_path_factory):
     return str(root / "tiny-qwen3-next")
 
 
+@pytest.fixture(scope="session")
+def tiny_nemotron_h(tmp_path_factory):
+    """The tiny Nemotron-H (Mamba-2 and attention layers: a state group beside an
+    attention group), built once per run like ``tiny_model``."""
+    from kvray.testing.tiny_model import build_tiny_nemotron_h
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_nemotron_h(tmp_path_factory.mktemp("model") / "tiny-nemotron-h"))
+    root = run_dir(tmp_path_factory)
+    with open(root / "tiny-nemotron-h.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-nemotron-h.done"
+        if not done.exists():
+            build_tiny_nemotron_h(root / "tiny-nemotron-h")
+            done.touch()
+    return str(root / "tiny-nemotron-h")
+
+
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
     one worker), and so is the multi-node harness (one two-node cluster for its tests), and

@@ -1,8 +1,9 @@
 """Build small checkpoints locally (no downloads) for tests, demos and benchmarks.
 
 A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` (or, for
-a hybrid-attention model, a ``Gemma3ForCausalLM`` or a ``Qwen3NextForCausalLM``) with seeded
-random weights, saved with ``save_pretrained``: vLLM loads it like any model directory.
+a hybrid-attention model, a ``Gemma3ForCausalLM``, a ``Qwen3NextForCausalLM`` or a
+``NemotronHForCausalLM``) with seeded random weights, saved with ``save_pretrained``: vLLM
+loads it like any model directory.
 Building is deterministic, so two builds give the same outputs.
 """
 
@@ -240,6 +241,93 @@ def build_tiny_qwen3_next(
     model.bfloat16().save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path
+
+
+_NEMOTRON_H_LAYERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+"""Nemotron-H's layer pattern (its configs' ``hybrid_override_pattern``) to the layer types
+of transformers' ``NemotronHConfig``."""
+
+
+def build_tiny_nemotron_h(
+    path: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    pattern: str = "M*M*",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    mamba_num_heads: int = 8,
+    mamba_head_dim: int = 32,
+    n_groups: int = 1,
+    ssm_state_size: int = 64,
+    conv_kernel: int = 4,
+    intermediate_size: int = 512,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A hybrid Mamba-2 model: a ``NemotronHForCausalLM`` whose layers follow ``pattern``
+    (``M`` Mamba-2, ``*`` attention, ``-`` MLP; the default alternates Mamba-2 and
+    attention), so that vLLM's hybrid KV cache manager makes a state group (vLLM's
+    ``MambaSpec``) beside a full-attention group. Written to ``path`` like
+    :func:`build_tiny_llama` (skipped if a build with these settings is there)."""
+    path = Path(path)
+    settings = {
+        "model": "nemotron_h", "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "pattern": pattern, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim, "mamba_num_heads": mamba_num_heads,
+        "mamba_head_dim": mamba_head_dim, "n_groups": n_groups,
+        "ssm_state_size": ssm_state_size, "conv_kernel": conv_kernel,
+        "intermediate_size": intermediate_size, "max_positions": max_positions,
+        "seed": seed, "chat_template": CHAT_TEMPLATE,
+    }  # fmt: skip
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, vocab_size)
+    config = NemotronHConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        layers_block_type=[_NEMOTRON_H_LAYERS[c] for c in pattern],
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        mamba_num_heads=mamba_num_heads,
+        mamba_head_dim=mamba_head_dim,
+        n_groups=n_groups,
+        ssm_state_size=ssm_state_size,
+        conv_kernel=conv_kernel,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    NemotronHForCausalLM(config).save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path
+
+
+def build_prefill_bound_gemma3(path: str | Path) -> Path:
+    """The hybrid-attention family's benchmark model: :func:`build_prefill_bound_llama`'s
+    sizes, three of four layers attending to a 512-token sliding window (four KV cache
+    groups under vLLM's hybrid allocator)."""
+    return build_tiny_gemma3(
+        path,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=8,
+        sliding_window=512,
+        max_positions=8192,
+    )
 
 
 def build_prefill_bound_llama(path: str | Path) -> Path:

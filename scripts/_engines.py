@@ -100,12 +100,24 @@ def chosen(parser: argparse.ArgumentParser, names: list[str], known: tuple[str, 
         parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(known)}")
 
 
-def bench_model(model_dir: str) -> str:
-    """The benchmarks' prefill-bound model, built once in ``model_dir``."""
-    from kvray.testing.tiny_model import build_prefill_bound_llama
+FAMILIES = ("llama", "gemma3")
+"""Model families of the engine benchmarks (``--family``): the bench model (full
+attention) and a sliding-window hybrid (four KV cache groups under vLLM's hybrid
+allocator)."""
 
-    log(f"== building the model in {model_dir}")
-    return str(build_prefill_bound_llama(model_dir))
+
+def bench_model(model_dir: str, family: str = "llama") -> str:
+    """The benchmarks' prefill-bound model of ``family``, built once in ``model_dir``
+    (a family's own folder below it, but for the default)."""
+    from kvray.testing import tiny_model
+
+    build = {
+        "llama": tiny_model.build_prefill_bound_llama,
+        "gemma3": tiny_model.build_prefill_bound_gemma3,
+    }[family]
+    path = model_dir if family == "llama" else os.path.join(model_dir, family)
+    log(f"== building the {family} model in {path}")
+    return str(build(path))
 
 
 @contextlib.contextmanager
@@ -218,12 +230,20 @@ def bench_pool(
 
 
 def interleaved(
-    configs: list[str], lengths: list[int], rates: list[float], reps: int, block: int
+    configs: list[str],
+    lengths: list[int],
+    rates: list[float],
+    reps: int,
+    block: int,
+    *,
+    seed_tail: int | None = None,
 ) -> Iterator[tuple[int, float, int, int, list[int], list[int], list[str]]]:
     """The benchmarks' schedule: for every (input length, hit rate, rep) the prefix (whole
     ``block``-token blocks, ``rate`` of the input), a seed prompt and a probe prompt that
     share it, and the configurations in the order they take their turns (rotated per rep):
-    ``(length, rate, rep, prefix_len, seed, probe, order)``."""
+    ``(length, rate, rep, prefix_len, seed, probe, order)``. ``seed_tail``: the seed is the
+    prefix and that many tokens (a sliding-window model's own prefix cache keeps only the
+    window before the seed's end, so the ideal's hit needs the seed to end at the prefix)."""
     import numpy as np
 
     for length in lengths:
@@ -234,6 +254,8 @@ def interleaved(
                 prefix = rng.integers(3, 1000, prefix_len).tolist()
                 seed = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
                 probe = prefix + rng.integers(3, 1000, length - prefix_len).tolist()
+                if seed_tail is not None:
+                    seed = seed[: prefix_len + seed_tail]
                 k = rep % len(configs)
                 yield length, rate, rep, prefix_len, seed, probe, configs[k:] + configs[:k]
 

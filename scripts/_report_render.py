@@ -214,6 +214,8 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
     header = ["input", "hit"] + [f"{LABELS[c]} ms" for c in configs]
     header += [f"{LABELS[c]} saving" for c in saving]
     header += [_paired_label(k) for k in paired]
+    moved = "loaded_bytes_kvray" in rows[-1]
+    header += ["kvray loaded per hit, MB"] if moved else []
     out = []
     for r in rows:
         med = {c: r[f"ttft_{c}_s"] * 1e3 for c in configs}
@@ -225,8 +227,16 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
         for k in paired:
             d = r.get(k)
             row.append(_paired_cell(k, d))
+        if moved:
+            row.append(f"{r['loaded_bytes_kvray'] / 1e6:.2f}")
         out.append(row)
-    return table(header, out) + "\n\n" + measured_at(results, names)
+    notes = ""
+    capacity = meta(run).get("kv_capacity_tokens")
+    if capacity:
+        shown = ", ".join(f"{LABELS[c]} {n:,}" for c, n in capacity.items() if n is not None)
+        family = meta(run)["family"]
+        notes = f"KV cache capacity in tokens (vLLM's log, model {family}): {shown}.\n\n"
+    return table(header, out) + "\n\n" + notes + measured_at(results, names)
 
 
 def _paired_label(key: str) -> str:

@@ -45,11 +45,19 @@ must have skipped at least the prefix (vLLM's ``num_cached_tokens``), ``full`` n
 otherwise the run is void and fails.
 
 The model is a locally built Llama with dummy-sized compute (random weights) so that
-prefill dominates as on real hardware.
+prefill dominates as on real hardware. ``--family gemma3``: a hybrid-attention model of
+the same sizes (three of four layers attend to a 512-token sliding window: four KV cache
+groups, vLLM's hybrid allocator on in every configuration); its seed is the prefix and one
+token (vLLM's own cache keeps only the window before a prompt's end), kvray loads
+asynchronously (as it must for such models), and the table adds the bytes kvray loaded
+per hit (the pool's ``get_bytes`` around each probe) and each engine's KV capacity in
+tokens (vLLM's log): kvray's against the ideal's, hybrid allocator on in both.
 
     .venv/bin/python scripts/bench_ttft.py --json bench-results/bench_ttft.json
     .venv/bin/python scripts/bench_ttft.py --placement staged --configs full,local,kvray
     .venv/bin/python scripts/bench_ttft.py --smoke --json /tmp/bench_ttft.json
+    .venv/bin/python scripts/bench_ttft.py --family gemma3 --configs full,local,kvray \
+        --json bench-results/bench_ttft_gemma3.json
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
 from _engines import (  # noqa: E402
+    FAMILIES,
     PEER_TRANSFER_CONFIG,
     bench_model,
     bench_pool,
@@ -119,13 +128,14 @@ SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb",
 engines started together, without their warm-up request (``start_engines``)."""
 
 
-def engine_spec(name: str, model: str, max_len: int) -> dict[str, Any]:
+def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if name in ("kvray", "staged", "nock", "index", "raycall", "actor"):
         pools = {"nock": "bench-nock", "index": "bench-ix", "actor": "bench-actor"}
         extra = {
             "pool_name": pools.get(name, "bench"),
-            "load_async": False,
+            # (a hybrid model's loads are async: vLLM takes their failures per request only)
+            "load_async": family != "llama",
             "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }
@@ -148,6 +158,7 @@ def main() -> int:
         help="staged: also run KVRayConnector with kv_placement staged (config 'staged')",
     )
     parser.add_argument("--kv-cache-gb", type=int, default=2, help="each engine's KV cache")
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="the model's family")
     args = parse(parser, SMOKE)
     configs = args.configs.split(",")
     if args.placement == "staged" and "staged" not in configs:
@@ -163,7 +174,8 @@ def main() -> int:
     # A smoke run's fork server imports vLLM while Ray and the pools start (the peer's,
     # of another environment, while the other engines start).
     prestart_fork_servers([engine_env(tmp, None, kv_cache_gb=args.kv_cache_gb)], tmp)
-    model = bench_model(args.model_dir)
+    model = bench_model(args.model_dir, args.family)
+    hybrid = args.family != "llama"
     master = MooncakeMasterConfig().model_dump()  # the same flags for the pool's and the peer's
     # Every pool and the peer's master hold SEGMENT: a default run stores ~2.6 GB of
     # blocks (the seeds' and probes' of every row), past which the master evicts and
@@ -184,7 +196,10 @@ def main() -> int:
     reps: dict[tuple[str, int, float], list[float]] = {}
     cached: dict[tuple[str, int, float], list[int]] = {}
     with live_engines(tmp, stops) as engines:
-        specs = {name: (engine_spec(name, model, max(lengths) + 16), env) for name in configs}
+        specs = {
+            name: (engine_spec(name, model, max(lengths) + 16, args.family), env)
+            for name in configs
+        }
         if "peer" in configs:
             peer_master, peer_env = start_peer_master(
                 tmp, master, segment=4 << 30, local_buffer=256 << 20
@@ -194,11 +209,17 @@ def main() -> int:
         start_engines(engines, specs, tmp, args.smoke)
         floor = StagedFloor(model, max(lengths)) if {"staged", "local"} <= set(configs) else None
         total = len(lengths) * len(rates) * args.reps
-        schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
+        tail = 1 if hybrid else None
+        schedule = interleaved(configs, lengths, rates, args.reps, BLOCK, seed_tail=tail)
+        capacity = {name: kv_capacity(engines[name].log()) for name in configs}
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
                 needs_seed = prefix_len > 0 and name != "full"
+                before = pool.stats().total.get_bytes if hybrid and name == "kvray" else None
                 answer = engines[name].turn(seed if needs_seed else None, probe)
+                if before is not None:
+                    moved = pool.stats().total.get_bytes - before
+                    reps.setdefault(("bytes", length, rate), []).append(moved)
                 check_cached(name, answer["cached_tokens"], prefix_len, length)
                 reps.setdefault((name, length, rate), []).append(answer["ttft_s"])
                 cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
@@ -216,6 +237,9 @@ def main() -> int:
                 row[f"ttft_{name}_s"] = statistics.median(times)
                 row[f"reps_{name}_s"] = times
                 row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
+            if ("bytes", length, rate) in reps:
+                row["reps_loaded_bytes_kvray"] = moved_reps = reps[("bytes", length, rate)]
+                row["loaded_bytes_kvray"] = statistics.median(moved_reps)
             if floor:
                 row["reps_floor_s"] = floors = reps[("floor", length, rate)]
                 pairs = zip(row["reps_staged_s"], row["reps_local_s"], strict=True)
@@ -230,6 +254,8 @@ def main() -> int:
                     )
             rows.append(row)
     print_table(rows, configs)
+    if hybrid:
+        print_family(rows, capacity, args.family)
     if "nock" in configs and "kvray" in configs:
         print_checksum_cost(rows)
     for a, b in PAIRS:
@@ -246,6 +272,8 @@ def main() -> int:
         meta = run_meta(
             reps=args.reps,
             configs=configs,
+            family=args.family,
+            kv_capacity_tokens=capacity,
             order="interleaved: per (length, rate, rep) every config in turn, order rotated "
             "per rep; engines not in turn paused (SIGSTOP)",
             checks="every measured request: caching configs skipped >= the prefix "
@@ -255,6 +283,27 @@ def main() -> int:
         plot(rows, args.json.with_suffix(".png"))
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
+
+
+def kv_capacity(log_text: str) -> int | None:
+    """The engine's KV cache capacity in tokens, as vLLM logs it at startup."""
+    import re
+
+    found = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def print_family(rows: list[dict[str, Any]], capacity: dict[str, int | None], family: str) -> None:
+    """A hybrid family's extra columns: what kvray loaded per hit, and the engines' KV
+    capacity (vLLM's hybrid allocator on with kvray as without a connector)."""
+    print(f"\n{family}: bytes kvray loaded per hit (median over reps)")
+    print(f"{'input':>6} {'hit':>5} {'loaded MB':>10}")
+    for r in rows:
+        if "loaded_bytes_kvray" in r:
+            mb = r["loaded_bytes_kvray"] / 1e6
+            print(f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {mb:>10.2f}")
+    shown = ", ".join(f"{n} {c if c is not None else '?'}" for n, c in capacity.items())
+    print(f"KV cache capacity in tokens (vLLM's log): {shown}")
 
 
 class StagedFloor:

@@ -191,3 +191,23 @@ def test_linear_attention_states_are_pooled_at_block_boundaries(
     assert dropped["outputs"] == want
     (line,) = dropped["lines"]
     assert line["hit_pool"] == 2 and line["failed"] == 2, line
+
+
+def test_pd_roles_with_a_hybrid_model(pool, engines, gemma_reference, tiny_gemma3, request):
+    """kvray alone in both PD roles on the tiny Gemma 3: the producer stores every group's
+    blocks, the consumer (``consumer_is_to_load``) loads them, same tokens."""
+    p = own_prompts(request, 3 * BLOCK + 10, salt="pd")
+    (want,) = gemma_reference([p])
+    base = spec(tiny_gemma3, "shared")
+    producer = {**base, "connector": {**base["connector"], "role": "kv_producer"}}
+    out = engines.get(producer).generate([p], max_tokens=16)
+    assert out["outputs"] == [want]
+    (line,) = out["lines"]
+    assert (line["hit_pool"], line["saved"]) == (0, 3), line
+    conn = _connector(kv_placement="shared", model_namespace=NAMESPACE, consumer_is_to_load=True)
+    consumer = {**base, "connector": {**conn, "policy": "recompute", "role": "kv_consumer"}}
+    out = engines.get(consumer).generate([p], max_tokens=16)
+    assert out["outputs"] == [want]
+    (line,) = out["lines"]
+    pool_hit(line, 3)
+    assert line["saved"] == 0

@@ -179,6 +179,8 @@ def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeyS
     connector's scheduler logs it after ``keys`` (with geometries, their count is TP x PP
     x K)."""
     head, _, listed = text.partition(", block geometries ")
+    replicated = listed.endswith(", one copy across TP")
+    listed = listed.removesuffix(", one copy across TP")
     listed, _, groups = listed.partition(", kv_groups ")
     groups, _, states = groups.partition(" (state ")
     kv_groups = int(groups) if groups.strip().isdigit() else 1
@@ -191,7 +193,9 @@ def _key_space(text: str, tp_size: int, pp_size: int, layer_groups: int) -> KeyS
         )
     geometries = tuple(g for g in listed.split(",") if g)
     tp = len(geometries) // (pp_size * kv_groups) if geometries else tp_size
-    return KeySpace(namespace, layout, tp, pp_size, layer_groups, geometries, kv_groups, state)
+    return KeySpace(
+        namespace, layout, tp, pp_size, layer_groups, geometries, kv_groups, state, replicated
+    )
 
 
 def cmd_prefix_match(args: argparse.Namespace) -> int:

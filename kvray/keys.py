@@ -185,6 +185,9 @@ class KeySpace:
     """The KV cache groups whose key of a block holds the recurrent state at its end
     (Mamba, linear attention): a hit of ``h`` blocks needs their key of block ``h - 1``
     only, the other groups' keys of every block before ``h``."""
+    tp_replicated: bool = False
+    """Every TP rank holds the same bytes (MLA's latent): one copy per block and PP
+    stage, under TP rank 0's key, which every TP rank loads."""
 
     def __post_init__(self) -> None:
         slots = self.tp_size * self.pp_size * self.kv_groups
@@ -223,17 +226,30 @@ class KeySpace:
         return self.tp_size * self.pp_size
 
     @property
+    def key_ranks(self) -> int:
+        """Ranks with keys of their own: every rank, or one per PP stage when
+        :attr:`tp_replicated`."""
+        return self.pp_size if self.tp_replicated else self.world_size
+
+    @property
     def columns(self) -> int:
-        """Keys per block of the instance: every rank's, KV cache group's and layer
+        """Keys per block of the instance: every keyed rank's, KV cache group's and layer
         group's."""
-        return self.world_size * self.kv_groups * self.layer_groups
+        return self.key_ranks * self.kv_groups * self.layer_groups
 
     def column(self, c: int) -> tuple[int, int, int]:
         """Column ``c``'s (rank, layer group, KV cache group): rank-major, then KV cache
         group, then layer group (the order of :meth:`lookup_key_strs`)."""
         rank, rest = divmod(c, self.kv_groups * self.layer_groups)
         kv_group, group = divmod(rest, self.layer_groups)
+        if self.tp_replicated:
+            rank *= self.tp_size  # PP stage -> its TP rank 0
         return rank, group, kv_group
+
+    def key_rank(self, rank: int) -> int:
+        """The rank whose keys ``rank`` stores and loads: itself, or its PP stage's TP
+        rank 0 when :attr:`tp_replicated`."""
+        return rank - rank % self.tp_size if self.tp_replicated else rank
 
     def state_columns(self) -> list[bool]:
         """Per column, whether it is a state group's (:attr:`state_groups`)."""
@@ -301,6 +317,7 @@ class KeySpace:
     def column_prefix(self, rank: int, group: int = 0, kv_group: int = 0) -> str:
         """What every key string of one instance rank, layer group and KV cache group
         starts with (the block hash's hex follows)."""
+        rank = self.key_rank(rank)
         pp_rank, tp_rank = divmod(rank, self.tp_size)
         geometry = _geometry_part(self.geometry_of(rank, kv_group))
         return (

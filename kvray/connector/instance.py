@@ -116,6 +116,7 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         layer_groups,
         kv_groups=len(groups),
         state_groups=tuple(g.index for g in groups if not g.positional),
+        tp_replicated=parallel.tensor_parallel_size > 1 and _latent_only(kv_cache_config),
     )
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "instance_info without kv_transfer_config"
@@ -137,6 +138,15 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         load_failure_policy=str(transfer.kv_load_failure_policy),
         groups=groups,
     )
+
+
+def _latent_only(kv_cache_config: KVCacheConfig) -> bool:
+    """Every group is MLA's latent, which is the same on every TP rank: stored once per
+    block (TP rank 0's key), loaded by every rank."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    return all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
 
 
 def _for_groups(cfg: ConnectorConfig, n: int) -> ConnectorConfig:

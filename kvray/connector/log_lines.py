@@ -34,7 +34,8 @@ COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
 KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s%s"
 """Namespace, layout, the block geometries of every rank and KV cache group (rank-major)
 joined by commas, and ``, kv_groups K`` for a hybrid model's ``K`` > 1 groups (then
-`` (state 0,1,2)`` names its state groups, if any)."""
+`` (state 0,1,2)`` names its state groups, if any), or ``, one copy across TP`` (MLA:
+every TP rank loads TP rank 0's keys)."""
 
 _REQUEST = re.compile(
     r"(?:\(EngineCore\S* pid=(\d+)\).*?)?request_id=(\S+) "
@@ -43,7 +44,7 @@ _REQUEST = re.compile(
 )
 _KEYS = re.compile(
     r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f]+(?:,[0-9a-f]+)*)"
-    r"(?:, kv_groups (\d+)(?: \(state ([\d,]+)\))?)?"
+    r"(?:, kv_groups (\d+)(?: \(state ([\d,]+)\))?)?(, one copy across TP)?"
 )
 
 
@@ -91,12 +92,12 @@ def key_space(log: str, *, pp_size: int = 1, layer_groups: int = 1) -> KeySpace 
     found = _KEYS.search(log)
     if found is None:
         return None
-    namespace, layout, geometries, kv_groups, states = found.groups()
+    namespace, layout, geometries, kv_groups, states, replicated = found.groups()
     g = tuple(geometries.split(","))
     k = int(kv_groups or 1)
     state = tuple(int(s) for s in states.split(",")) if states else ()
     tp = len(g) // (pp_size * k)
-    return KeySpace(namespace, layout, tp, pp_size, layer_groups, g, k, state)
+    return KeySpace(namespace, layout, tp, pp_size, layer_groups, g, k, state, bool(replicated))
 
 
 def log_through_vllm() -> None:

@@ -181,7 +181,10 @@ class KVRegion:
             }
         order = self.geometry_tag(kv_caches)
         if not self.info.split_stages:
-            return {self.rank: geometry_digest(order, names)}
+            digest = geometry_digest(order, names)
+            # (one copy across TP: the keys this rank loads are its stage's TP rank 0's,
+            # whose bytes, and so geometry, are the same)
+            return {self.rank: digest, self.info.space.key_rank(self.rank): digest}
         planes = self.stager.planes_per_layer if self.stager else 1
         return {
             p.rank: geometry_digest(order, names[p.lo // planes : p.hi // planes])
@@ -227,6 +230,12 @@ class KVRegion:
     @property
     def layerwise(self) -> bool:
         return bool(self.group_of)
+
+    @property
+    def replica(self) -> bool:
+        """This rank's bytes are another TP rank's (MLA's latent, one copy across TP):
+        it loads that rank's keys and saves nothing."""
+        return self.info.space.key_rank(self.rank) != self.rank
 
     @property
     def kv_grouped(self) -> bool:

@@ -103,7 +103,8 @@ class Saver:
         self._warn = WarnOnce(logger, " (further ones are only counted)")
 
     def bind(self, saves: list[BlockOp], step: int) -> None:
-        self._step, self._step_no = saves, step
+        # A replica's blocks are TP rank 0's bytes, which that rank stores (one copy).
+        self._step, self._step_no = ([] if self._region.replica else saves), step
 
     def ended_through(self, step: int) -> int:
         """The last step (up to ``step``, the current one) whose puts, and every earlier

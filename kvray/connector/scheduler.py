@@ -90,7 +90,10 @@ def _finished_normally(request: Request) -> bool:
 
 
 def _groups_note(space: KeySpace) -> str:
-    """The keys line's tail: a hybrid model's group count and state groups."""
+    """The keys line's tail: one copy across TP (MLA), a hybrid model's group count and
+    state groups."""
+    if space.tp_replicated:
+        return ", one copy across TP"
     if space.kv_groups < 2:
         return ""
     states = f" (state {','.join(map(str, space.state_groups))})" if space.state_groups else ""

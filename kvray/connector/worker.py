@@ -159,7 +159,9 @@ class KVRayWorker:
         region.use_geometries(self.geometries)
         # Its blocks on SSD live in this node's slot's tier, whatever its TP/PP rank (TP
         # across nodes, DP ranks sharing a node): the scheduler's lookups ask that one.
-        self.places = dict.fromkeys(self.geometries, Place(self._pool.node_id, local_rank))
+        # (a TP replica names only itself: its stage's TP rank 0 names where its copy is)
+        mine = [r for r in self.geometries if not (region.replica and r != self.rank)]
+        self.places = dict.fromkeys(mine, Place(self._pool.node_id, local_rank))
         self.info = region.info
         # The client maps (every page of) the region now, not in the first transfer.
         store.map_region(region.spec).result(600)

@@ -100,15 +100,18 @@ Placement = Mapping[int, Place]
 name it) -> the place of the worker that loads that rank's key columns."""
 
 
-def ssd_places(ranks: int, placement: Placement | None, own_node: str) -> list[Place | None]:
-    """Per instance rank, the SSD tier a lookup asks for that rank's columns. Placement
-    unknown (None: a Pool API caller, or an engine whose workers did not name it): this
-    node's slot ``rank``, where a one-node instance's workers run. Known: the place its
-    worker named; a rank without one has nothing on SSD that its worker could load
-    (None)."""
+def ssd_places(
+    ranks: int | Sequence[int], placement: Placement | None, own_node: str
+) -> list[Place | None]:
+    """Per instance rank (``ranks`` of them, or those listed), the SSD tier a lookup asks
+    for that rank's columns. Placement unknown (None: a Pool API caller, or an engine
+    whose workers did not name it): this node's slot ``rank``, where a one-node
+    instance's workers run. Known: the place its worker named; a rank without one has
+    nothing on SSD that its worker could load (None)."""
+    listed = range(ranks) if isinstance(ranks, int) else ranks
     if placement is None:
-        return [Place(own_node, r) for r in range(ranks)]
-    return [placement.get(r) for r in range(ranks)]
+        return [Place(own_node, r) for r in listed]
+    return [placement.get(r) for r in listed]
 
 
 LowerExists = Callable[[Place, list[str]], Awaitable[list[bool]]]
@@ -235,7 +238,7 @@ class LookupService:
         missed); hits is -1 for a timed-out or failed ask (counted, logged once)."""
         try:
             present, dram = await asyncio.wait_for(
-                self._present(keys, n, space.columns // space.world_size, placement), timeout_s
+                self._present(keys, n, space, placement), timeout_s
             )
         except TimeoutError:
             self.stats.lookup_timeouts += 1
@@ -254,16 +257,17 @@ class LookupService:
         return hits, hits - min(servable_hits(dram, n, space), hits), why
 
     async def _present(
-        self, keys: list[str], n: int, groups: int = 1, placement: Placement | None = None
+        self, keys: list[str], n: int, space: KeySpace, placement: Placement | None = None
     ) -> tuple[list[bool], list[bool] | None]:
         """Presence in any tier, and in DRAM alone (None when no lower tier was asked).
-        ``keys`` are ``n`` per column, ``groups`` columns per rank; each rank's missing
-        keys are asked of the SSD tier its worker loads through (one ask per place)."""
+        ``keys`` are ``n`` per column of ``space``; each keyed rank's missing keys are
+        asked of the SSD tier its worker loads through (one ask per place)."""
         present = await self.backend.exists(keys)
         if self.lower is None or all(present):
             return present, None
-        per_rank = n * groups
-        ranks = len(keys) // per_rank if n else 0
+        per = space.columns // space.key_ranks
+        per_rank = n * per
+        ranks = [space.column(i * per)[0] for i in range(space.key_ranks)] if n else []
         asks: dict[Place, list[int]] = {}
         for r, place in enumerate(ssd_places(ranks, placement, self.node_id)):
             missing = [i for i in range(r * per_rank, (r + 1) * per_rank) if not present[i]]

@@ -196,3 +196,20 @@ def test_each_kv_cache_group_of_a_hybrid_model_has_keys_of_its_own():
         KeySpace("m", LAYOUT, tp_size=2, geometries=(window, full), kv_groups=2)
     with pytest.raises(KeyFormatError, match="two KV cache groups of rank 1 share"):
         KeySpace("m", LAYOUT, tp_size=2, geometries=(window, full, full, full), kv_groups=2)
+
+
+def test_mla_keeps_one_copy_per_block_across_tp_ranks():
+    """MLA's latent is the same on every TP rank: TP rank 0's key holds it, every rank
+    stores and loads that key, and a lookup asks for one column per PP stage."""
+    h = hash_block(None, [1, 2, 3])
+    g = geometry_digest("p16x576", ["model.layers.0.self_attn.attn"])
+    space = KeySpace("m", LAYOUT, tp_size=2, pp_size=2, geometries=(g,) * 4, tp_replicated=True)
+    assert (space.key_ranks, space.columns) == (2, 2)
+    assert [space.column(c)[0] for c in range(space.columns)] == [0, 2]  # each stage's rank 0
+    assert [space.key_rank(r) for r in range(4)] == [0, 0, 2, 2]
+    assert space.rank_key_strs([h], 1) == space.rank_key_strs([h], 0)
+    assert "@tp0@pp1@" in space.rank_key_strs([h], 3)[0]
+    assert space.lookup_key_strs([h]) == space.rank_key_strs([h], 0) + space.rank_key_strs([h], 2)
+    # without it every TP rank has its own key (its own heads)
+    plain = KeySpace("m", LAYOUT, tp_size=2, pp_size=2, geometries=(g,) * 4)
+    assert plain.columns == 4 and plain.rank_key_strs([h], 1) != plain.rank_key_strs([h], 0)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -175,6 +176,14 @@ class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished_all_groups(request, block_ids)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        counts = self.scheduler.hit_sources(request, num_external_tokens)
+        return {CacheHitSource(k): v for k, v in counts.items()}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self.scheduler.loaded_groups()

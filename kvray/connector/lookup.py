@@ -147,8 +147,10 @@ class Lookups:
             masks[c] = DRAM | ssd
         hits, vals, held = index.lookup(space, hashes, masks)
         self._stats.add("index_hits" if hits else "index_misses")
-        answer = Answer(hits) if hits == n else Answer(hits, _why(vals[:, hits], held[:, hits]))
-        self._count(answer, n, int((vals[:, :hits] & DRAM == 0).any(axis=0).sum()))
+        ssd = int((vals[:, :hits] & DRAM == 0).any(axis=0).sum())
+        why = "" if hits == n else _why(vals[:, hits], held[:, hits])
+        answer = Answer(hits, why, ssd)
+        self._count(answer, n, ssd)
         return answer
 
     def _count(self, answer: Answer, n: int, ssd_only: int) -> None:

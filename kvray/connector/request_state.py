@@ -46,6 +46,8 @@ class RequestState:
     miss: str = ""
     """Why its lookup stopped short of its last full block (kvray.misses' reasons; empty:
     a whole hit, or no lookup)."""
+    ssd_blocks: int = 0
+    """Of the pool blocks, how many only the SSD tier held at lookup."""
 
     @property
     def block_ids(self) -> list[int]:

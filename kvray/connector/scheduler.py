@@ -356,7 +356,12 @@ class KVRayScheduler:
             miss = miss and "save_in_flight"
         self._admit(
             RequestState(
-                request, local, pool_blocks=pool_blocks, next_save=local + pool_blocks, miss=miss
+                request,
+                local,
+                pool_blocks=pool_blocks,
+                next_save=local + pool_blocks,
+                miss=miss,
+                ssd_blocks=min(answer.ssd, pool_blocks),
             )
         )
         if external == 0:
@@ -471,6 +476,16 @@ class KVRayScheduler:
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         self._pins.bind(pool)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The external tokens by the tier that held them: ``disk`` for the SSD tier's
+        (blocks the pool's DRAM did not hold at lookup), ``host`` for the rest."""
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return {}
+        disk = min(st.ssd_blocks * self.block_size, num_external_tokens)
+        counts = {"disk": disk, "host": num_external_tokens - disk}
+        return {k: v for k, v in counts.items() if v}
 
     def loaded_groups(self) -> tuple[int, ...]:
         """The KV cache groups a load writes: every group (a sliding window's within its

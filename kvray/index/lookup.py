@@ -78,6 +78,8 @@ class Answer(NamedTuple):
 
     hits: int
     miss: str = ""
+    ssd: int = 0
+    """Of the hits, how many only the SSD tier holds (some column not in DRAM)."""
 
 
 def first_miss(present: Sequence[bool], num_blocks: int, columns: int, hits: int) -> bool:
@@ -181,7 +183,7 @@ class LookupService:
             await asyncio.sleep(POLL_S)
         self.stats.lookup_hit_blocks += hits
         self.stats.lookup_ssd_blocks += from_ssd
-        return self._missed(Answer(hits, why), n)
+        return self._missed(Answer(hits, why, from_ssd), n)
 
     async def pin(self, space: KeySpace, hashes: Sequence[bytes], timeout_s: float) -> None:
         """Pin the keys of blocks about to load (a scheduler answered their lookup from

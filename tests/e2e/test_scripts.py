@@ -32,19 +32,26 @@ def prefill_model(tmp_path_factory) -> str:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("script", "result", "table"),
+    ("script", "result", "table", "extra"),
     [
-        ("bench_ttft.py", "bench_ttft.json", "kvray ms"),
-        ("bench_layerwise.py", "bench_layerwise.json", "lw shared"),
-        ("ttft_breakdown.py", "ttft_breakdown.json", "excess"),
+        ("bench_ttft.py", "bench_ttft.json", "kvray ms", ()),
+        (
+            "bench_ttft.py",
+            "bench_ttft_gemma3.json",
+            "loaded MB",
+            ("--family", "gemma3", "--configs", "full,local,kvray"),
+        ),
+        ("bench_layerwise.py", "bench_layerwise.json", "lw shared", ()),
+        ("ttft_breakdown.py", "ttft_breakdown.json", "excess", ()),
     ],
 )
-def test_engine_benchmark_smoke(tmp_path, prefill_model, script, result, table):
+def test_engine_benchmark_smoke(tmp_path, prefill_model, script, result, table, extra):
     """A TTFT benchmark's smoke run (every configuration's engine, short inputs, 3 reps;
     the script itself fails a run whose requests did not load what they should): its
     JSON has the keys of the committed full run."""
     out = tmp_path / result
-    res = run_script(script, "--model-dir", prefill_model, "--json", str(out), timeout_s=580)
+    args = ("--model-dir", prefill_model, "--json", str(out), *extra)
+    res = run_script(script, *args, timeout_s=580)
     assert table in res.stdout
     assert json_keys(out) == committed_keys(result)
 

@@ -612,3 +612,16 @@ def test_a_request_on_an_ssd_tier_counts_only_where_its_worker_loads():
     assert matched_after_store(s, req) == (64, False)
     assert s.lookup.asked == []
     index.close()
+
+
+@pytest.mark.parametrize(("ssd", "sources"), [(0, {"host": 48}), (2, {"disk": 32, "host": 16})])
+def test_a_hits_tokens_are_split_by_the_tier_that_held_them(ssd, sources):
+    """vLLM's per-tier hit counts (``get_external_cache_hit_sources``): the blocks only the
+    SSD tier held at lookup are ``disk`` tokens, the rest ``host``."""
+    s = Sched()
+    s.lookup.answer = lambda hashes: FakeCall("FakeLookup.lookup", Answer(3, "evicted", ssd))
+    req = s.request("r1", 70)
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert s.sched.hit_sources(req, 48) == sources
+    assert sum(s.sched.hit_sources(req, 48).values()) == 48
+    assert s.sched.hit_sources(req, 0) == {}

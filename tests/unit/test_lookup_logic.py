@@ -50,9 +50,11 @@ def test_lookup_waits_for_blocks_a_prefill_reported():
         return no_wait, asks, waited, partial
 
     no_wait, asks, waited, partial = asyncio.run(scenario())
-    assert (no_wait, asks) == ((0, "not_stored"), 1)
-    assert waited == (3, "not_stored") and backend.asks > asks + 2, "asked again until 3 were there"
-    assert partial == (3, "not_stored")
+    assert (no_wait, asks) == ((0, "not_stored", 0), 1)
+    assert waited == (3, "not_stored", 0) and backend.asks > asks + 2, (
+        "asked again until 3 were there"
+    )
+    assert partial == (3, "not_stored", 0)
     assert service.stats.lookups == 3 and service.stats.lookup_hit_blocks == 6
 
 
@@ -83,10 +85,10 @@ def test_a_slow_ask_does_not_end_a_prefill_wait():
     backend.keys.update(space.rank_key_strs(hashes, 0))
     service = LookupService(backend)  # type: ignore[arg-type]
     waited = asyncio.run(service.lookup(space, hashes, 0.1, want=3, wait_s=5.0))
-    assert waited == (3, "") and service.stats.lookup_timeouts == 1
+    assert waited == (3, "", 0) and service.stats.lookup_timeouts == 1
 
     plain = LookupService(SlowOnceExists())  # type: ignore[arg-type]
-    assert asyncio.run(plain.lookup(space, hashes, 0.1)) == (0, "lookup_timeout")
+    assert asyncio.run(plain.lookup(space, hashes, 0.1)) == (0, "lookup_timeout", 0)
     assert plain.stats.lookup_timeouts == 1 and plain.stats.miss_lookup_timeout == 3
 
 
@@ -112,12 +114,16 @@ def test_layerwise_lookup_needs_every_group_and_asks_each_ranks_ssd():
 
     service = LookupService(backend, lower, node_id="n0")  # type: ignore[arg-type]
     # block 2: rank 1 group 1 lacks it, the other columns have it
-    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (2, "partial_ranks")
+    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (
+        2,
+        "partial_ranks",
+        1,
+    )  # block 1: SSD
     assert [place for place, _ in ssd_asks] == [Place("n0", 1)]  # no placement: slot = rank
     assert set(ssd_asks[0][1]) == set(space.rank_key_strs(hashes[1:], 1, 1))
     assert service.stats.lookup_ssd_blocks == 1
     backend.keys = every - {space.rank_key_strs(hashes, 0, 0)[0]}  # rank 0 group 0: block 0
-    assert asyncio.run(LookupService(backend).lookup(space, hashes, 1.0)) == (0, "partial_ranks")  # type: ignore[arg-type]
+    assert asyncio.run(LookupService(backend).lookup(space, hashes, 1.0)) == (0, "partial_ranks", 0)  # type: ignore[arg-type]
 
 
 def test_misses_are_named_from_the_pools_ledger():
@@ -141,19 +147,19 @@ def test_misses_are_named_from_the_pools_ledger():
     def ask() -> tuple[int, str]:
         return tuple(asyncio.run(service.lookup(space, hashes, 1.0)))  # type: ignore[return-value]
 
-    assert ask() == (1, "not_stored")
+    assert ask() == (1, "not_stored", 0)
     # rank 1's key of block 1 is the one the ledger knows: the reason is per block
     ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 1)[0]), Seen.STORED, 1.0)])
-    assert ask() == (1, "evicted")
+    assert ask() == (1, "evicted", 0)
     ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 0)[0]), Seen.REMOVED, 2.0)])
-    assert ask() == (1, "removed")
+    assert ask() == (1, "removed", 0)
     backend.keys.add(space.rank_key_strs(hashes[1:2], 0)[0])
-    assert ask() == (1, "partial_ranks")
+    assert ask() == (1, "partial_ranks", 0)
     backend.keys |= set(space.rank_key_strs(hashes[1:2], 1))
     service.mixed_hashing = {"m@float32-b16-h1x8"}
-    assert ask() == (2, "other_fingerprint")
+    assert ask() == (2, "other_fingerprint", 0)
     backend.keys |= set(space.lookup_key_strs(hashes))
-    assert ask() == (4, "")
+    assert ask() == (4, "", 0)
     s = service.stats
     assert (s.miss_not_stored, s.miss_evicted, s.miss_removed) == (3, 3, 3)
     assert (s.miss_partial_ranks, s.miss_other_fingerprint) == (3, 2)
@@ -253,12 +259,12 @@ def test_tp_across_nodes_asks_each_ranks_node():
     hashes = [bytes([i]) * 16 for i in range(3)]
     where = {0: Place("A", 0), 1: Place("B", 0)}
     service, tiers = _ssd_only(space, hashes, where)
-    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (3, "")
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (3, "", 3)
     assert sorted(tiers.asks) == [Place("A", 0), Place("B", 0)]
     assert service.stats.lookup_ssd_blocks == 3
     assert service.ssd_asks == {Place("A", 0): 1, Place("B", 0): 1}
     tiers.asks.clear()
-    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (0, "partial_ranks")
+    assert asyncio.run(service.lookup(space, hashes, 1.0)) == (0, "partial_ranks", 0)
     assert sorted(tiers.asks) == [Place("A", 0), Place("A", 1)]  # this node, slot = rank
 
 
@@ -277,7 +283,7 @@ def test_dp_ranks_on_one_node_ask_the_slot_their_worker_loads_through():
     hashes = [bytes([i]) * 16 for i in range(4)]
     dp1, dp0 = {0: Place("A", 1)}, {0: Place("A", 0)}
     service, tiers = _ssd_only(space, hashes, dp1)
-    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=dp1)) == (4, "")
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=dp1)) == (4, "", 4)
     assert tiers.asks == [Place("A", 1)]
     assert asyncio.run(service.lookup(space, hashes, 1.0, placement=dp0)).hits == 0
     assert tiers.asks[-1] == Place("A", 0)
@@ -300,6 +306,7 @@ def test_an_unplaced_rank_or_a_failing_tier_is_a_miss_never_a_failed_lookup(capl
     assert asyncio.run(service.lookup(space, hashes, 1.0, placement={0: where[0]})) == (
         0,
         "partial_ranks",
+        0,
     )
     assert tiers.asks == [Place("A", 0)]
     tiers.broken.add(Place("B", 0))
@@ -307,10 +314,12 @@ def test_an_unplaced_rank_or_a_failing_tier_is_a_miss_never_a_failed_lookup(capl
         assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (
             0,
             "partial_ranks",
+            0,
         )
     assert service.stats.lookup_errors == 0 and service.stats.lookup_timeouts == 0
     said = [r for r in caplog.records if "SSD tier of slot 0 on node B failed" in r.message]
     assert len(said) == 1, "said once, then only counted"
     # rank 1's blocks also in DRAM: a hit, whatever B's tier does
     service.backend.keys.update(space.rank_key_strs(hashes, 1))  # type: ignore[attr-defined]
-    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (2, "")
+    # (rank 0's column is still on A's SSD only: both blocks count as the SSD tier's)
+    assert asyncio.run(service.lookup(space, hashes, 1.0, placement=where)) == (2, "", 2)

@@ -58,6 +58,9 @@ Commands (live):
   so a shared engine's next hit can only come from the pool.
 - ``{"op": "kv_cache_groups"}`` -> ``{"groups": [spec class names]}``: the KV cache
   groups vLLM's allocator made (a hybrid model's, under its hybrid allocator).
+- ``{"op": "kv_digests"}`` -> ``{"groups": [[digest or null per block]]}``: the KV bytes
+  of the last finished request, per KV cache group and block (null: vLLM's null block,
+  where a sliding window kept none), digested from the in-process worker's KV cache.
 - ``{"op": "block_size"}`` -> ``{"block_size": int}``: the block size vLLM chose (a
   hybrid model with state groups grows it).
 - ``{"op": "quit"}``.
@@ -378,6 +381,52 @@ def _wait_saves(core: Any, connector: Any, timeout_s: float = 60.0) -> None:
     time.sleep(0.05)
 
 
+def _record_freed_blocks(scheduler: Any) -> list[tuple[list[int], ...]]:
+    """Every finished request's block ids per KV cache group, as vLLM frees them (what
+    the ``kv_digests`` op reads: the blocks keep their bytes until reused)."""
+    freed: list[tuple[list[int], ...]] = []
+    free = scheduler._free_request_blocks
+
+    def record(request: Any) -> None:
+        freed.append(scheduler.kv_cache_manager.get_block_ids(request.request_id))
+        free(request)
+
+    scheduler._free_request_blocks = record
+    return freed
+
+
+def _kv_digests(llm: Any, core: Any, block_ids: tuple[list[int], ...]) -> list[list[str | None]]:
+    """Per KV cache group, per block of ``block_ids`` (None for vLLM's null block): a
+    digest of the block's bytes in every layer of the group, from the in-process worker's
+    KV cache tensors."""
+    import hashlib
+
+    import torch
+
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    groups = core.scheduler.kv_cache_config.kv_cache_groups
+
+    def planes(entry: Any) -> list[torch.Tensor]:
+        if isinstance(entry, torch.Tensor):
+            return [entry]
+        return [t for e in entry for t in planes(e)]
+
+    out: list[list[str | None]] = []
+    for group, ids in zip(groups, block_ids, strict=True):
+        tensors = [t for name in group.layer_names for t in planes(context[name].kv_cache)]
+        digests: list[str | None] = []
+        for b in ids:
+            if b == 0:
+                digests.append(None)
+                continue
+            h = hashlib.sha256()
+            for t in tensors:
+                h.update(t[b].contiguous().view(torch.uint8).numpy().tobytes())
+            digests.append(h.hexdigest()[:16])
+        out.append(digests)
+    return out
+
+
 def _engine(spec: dict[str, Any]) -> int:
     live = "runs" not in spec
     if live:
@@ -432,6 +481,7 @@ def _engine(spec: dict[str, Any]) -> int:
         client: Any = llm.llm_engine.engine_core
         core = client.engine_core
         connector = core.scheduler.connector
+        freed = _record_freed_blocks(core.scheduler)
 
     def generate(cmd: dict[str, Any]) -> dict[str, Any]:
         collect.clear()
@@ -510,6 +560,8 @@ def _engine(spec: dict[str, Any]) -> int:
             elif op == "kv_cache_groups":  # what vLLM's (hybrid) allocator made
                 groups = core.scheduler.kv_cache_config.kv_cache_groups if core else []
                 reply({"groups": [type(g.kv_cache_spec).__name__ for g in groups]})
+            elif op == "kv_digests":  # the last finished request's KV bytes, per block
+                reply({"groups": _kv_digests(llm, core, freed[-1]) if freed else []})
             elif op == "block_size":
                 config = core.scheduler.kv_cache_config if core else None
                 size = config.kv_cache_groups[0].kv_cache_spec.block_size if config else 0

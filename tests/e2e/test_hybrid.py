@@ -99,6 +99,17 @@ def test_sliding_window_model_pools_every_group_exactly(
     # Keys read: the full-attention group's 4 blocks, and of each of the 3 sliding
     # groups only the blocks inside the window before the hit's end.
     assert after.get_keys - before.get_keys == 4 + 3 * window_blocks_loaded(4)
+    # The bytes the load wrote are the bytes vLLM computes: every group's blocks before
+    # the hit's end that the repeat holds (the full group's 4; each sliding group's window
+    # block) equal those of an engine without the connector that computed the prompt.
+    loaded = [g[:4] for g in eng.call(op="kv_digests")["groups"]]
+    plain_engine = engines.get(spec(tiny_gemma3, None))
+    plain_engine.generate([p1], max_tokens=16)
+    computed = [g[:4] for g in plain_engine.call(op="kv_digests")["groups"]]
+    held = [[i for i, d in enumerate(g) if d is not None] for g in loaded]
+    assert held == [[3], [3], [3], [0, 1, 2, 3]], loaded
+    assert loaded == computed
+    eng = engines.get(spec(tiny_gemma3, placement))
 
     half = eng.generate([p2], max_tokens=16)
     assert half["outputs"] == [want[1]]

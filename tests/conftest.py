@@ -139,6 +139,24 @@ def tiny_nemotron_h(tmp_path_factory):
     return str(root / "tiny-nemotron-h")
 
 
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory):
+    """The tiny DeepSeek-V2 (latent attention: one MLA group, the same latent on every TP
+    rank), built once per run like ``tiny_model``; vLLM runs it in bfloat16."""
+    from kvray.testing.tiny_model import build_tiny_deepseek_mla
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build_tiny_deepseek_mla(tmp_path_factory.mktemp("model") / "tiny-mla"))
+    root = run_dir(tmp_path_factory)
+    with open(root / "tiny-mla.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "tiny-mla.done"
+        if not done.exists():
+            build_tiny_deepseek_mla(root / "tiny-mla")
+            done.touch()
+    return str(root / "tiny-mla")
+
+
 def _unit_of_work(nodeid: str) -> str:
     """Under xdist, every module is one unit of work (its module fixtures are made once, on
     one worker), and so is the multi-node harness (one two-node cluster for its tests), and

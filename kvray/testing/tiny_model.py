@@ -2,7 +2,8 @@
 
 A byte-level BPE tokenizer trained on a fixed corpus and a ``LlamaForCausalLM`` (or, for
 a hybrid-attention model, a ``Gemma3ForCausalLM``, a ``Qwen3NextForCausalLM`` or a
-``NemotronHForCausalLM``) with seeded random weights, saved with ``save_pretrained``: vLLM
+``NemotronHForCausalLM``; for latent attention, a ``DeepseekV2ForCausalLM``) with seeded
+random weights, saved with ``save_pretrained``: vLLM
 loads it like any model directory.
 Building is deterministic, so two builds give the same outputs.
 """
@@ -238,6 +239,71 @@ def build_tiny_qwen3_next(
     )
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.bfloat16().save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path
+
+
+def build_tiny_deepseek_mla(
+    path: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    qk_nope_head_dim: int = 64,
+    v_head_dim: int = 64,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A latent-attention (MLA) model: a ``DeepseekV2ForCausalLM`` without mixture-of-experts
+    layers (every layer dense) and without a query low-rank projection, whose KV cache is
+    one latent per token (``kv_lora_rank`` + ``qk_rope_head_dim`` values, the same on every
+    TP rank): one ``MLAAttentionSpec`` group. vLLM's CPU MLA needs that sum to be 576 (the
+    defaults), and its AMX kernels bfloat16 weights: saved in bfloat16, run it so. Written
+    to ``path`` like :func:`build_tiny_llama` (skipped if a build with these settings is
+    there)."""
+    path = Path(path)
+    settings = {
+        "model": "deepseek_mla", "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_layers": num_layers,
+        "num_heads": num_heads, "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim, "qk_nope_head_dim": qk_nope_head_dim,
+        "v_head_dim": v_head_dim, "max_positions": max_positions, "seed": seed,
+        "chat_template": CHAT_TEMPLATE,
+    }  # fmt: skip
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, vocab_size)
+    config = DeepseekV2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
+        first_k_dense_replace=num_layers,  # every layer a dense MLP: no experts
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
     model.bfloat16().save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path

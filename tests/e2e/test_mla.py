@@ -1,0 +1,100 @@
+"""Latent attention (MLA) on real vLLM engines: a tiny DeepSeek-V2 (one ``MLAAttentionSpec``
+group, a 576-value latent per token, bfloat16) pooled exactly.
+
+At TP 1 its blocks are stored and a repeat loads them from the pool, with the tokens of an
+engine without the connector. At TP 2 the latent is the same on every TP rank: one copy
+per block is stored (TP rank 0's key, by rank 0 alone) and every TP rank loads it; the
+tokens equal TP 2 without the connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvray.connector.log_lines import request_counts
+
+from .conftest import connector as _connector
+from .conftest import own_prompts, pool_hit, run_engine, start_pool
+
+pytestmark = pytest.mark.e2e
+NAMESPACE = "tiny-mla"
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+"""vLLM binds each CPU worker's threads; with one NUMA node the binding must be given."""
+
+
+def spec(model: str, conn: dict | None, **engine) -> dict:  # type: ignore[type-arg]
+    """An engine of the tiny DeepSeek-V2 in bfloat16 (vLLM's AMX MLA kernels need it):
+    KVRayConnector at ``conn`` (None: no connector)."""
+    return {"model": model, "connector": conn, "dtype": "bfloat16", **engine}
+
+
+@pytest.fixture(scope="module")
+def mla_block(engines, tiny_mla) -> int:  # type: ignore[no-untyped-def]
+    """The block size vLLM chose for the model (16 with its reference CPU MLA kernel, 128
+    with AMX), and its one KV cache group is MLA's."""
+    eng = engines.get(spec(tiny_mla, None))
+    assert eng.call(op="kv_cache_groups")["groups"] == ["MLAAttentionSpec"]
+    return int(eng.call(op="block_size")["block_size"])
+
+
+def test_mla_blocks_are_pooled_exactly(pool, engines, tiny_mla, mla_block, request):
+    bs = mla_block
+    p1 = own_prompts(request, 3 * bs + 20, salt="p1")
+    other = own_prompts(request, 3 * bs + 20, salt="other")
+    plain = engines.get(spec(tiny_mla, None))
+    want, want_other = plain.generate([p1, other], max_tokens=16)["outputs"]
+    assert want != want_other  # the oracle can tell contexts apart
+
+    conn = _connector(model_namespace=NAMESPACE)
+    eng = engines.get(spec(tiny_mla, {**conn, "policy": "recompute"}))
+    first = eng.generate([p1], max_tokens=16)
+    assert first["outputs"] == [want]
+    (line,) = first["lines"]
+    assert (line["hit_pool"], line["saved"]) == (0, 3), line
+    eng.call(op="drain")
+
+    before = pool.stats().total
+    again = eng.generate([p1], max_tokens=16)
+    after = pool.stats().total
+    assert again["outputs"] == [want]
+    (line,) = again["lines"]
+    pool_hit(line, 3)  # vLLM's own prefix cache is off: only the pool serves it
+    assert again["cached_tokens"] == [3 * bs]
+    assert after.get_keys - before.get_keys == 3
+
+
+@pytest.fixture(scope="module")
+def pool2(ray_cluster):  # type: ignore[no-untyped-def]
+    p = start_pool("e2e-mla-tp", 2, "128MB")
+    yield p
+    p.shutdown()
+
+
+def test_tp2_stores_one_copy_of_the_latent_and_every_rank_loads_it(
+    pool2, engines, ray_cluster, tiny_mla, mla_block, request, tmp_path
+):
+    """At TP 2 the keys line says one copy across TP; rank 0's BackendClient alone stores
+    the blocks, both ranks load them, and the tokens equal TP 2 without a connector."""
+    engines.close()  # the TP 2 engines run alone (two workers each on 2 cores)
+    p1 = own_prompts(request, 3 * mla_block + 20, salt="p1")
+    runs = {"tp": 2, "env": TP_ENV, "max_tokens": 16, "runs": [[p1], [p1]]}
+    base = run_engine(ray_cluster, tmp_path, "mla-tp-base", {**spec(tiny_mla, None), **runs})
+    want = base["runs"][0]["outputs"][0]
+    assert base["runs"][1]["outputs"][0] == want
+
+    before = [r.stats for r in pool2.stats().ranks]
+    conn = _connector("e2e-mla-tp", model_namespace=NAMESPACE)
+    out = run_engine(
+        ray_cluster, tmp_path, "mla-tp",
+        {**spec(tiny_mla, conn), **runs, "wait_saves_for": "e2e-mla-tp"},
+    )  # fmt: skip
+    after = [r.stats for r in pool2.stats().ranks]
+    assert ", one copy across TP" in out["log"], out["log"][-3000:]
+    assert [r["outputs"][0] for r in out["runs"]] == [want] * 2
+    first, second = request_counts(out["log"])[:2]
+    assert (first["hit_pool"], first["saved"]) == (0, 3), first
+    assert (second["hit_local"], second["hit_pool"], second["loaded"], second["failed"]) == (
+        0, 3, 3, 0,
+    ), second  # fmt: skip
+    assert [a.put_keys - b.put_keys for a, b in zip(after, before, strict=True)] == [3, 0]
+    assert [a.get_keys - b.get_keys for a, b in zip(after, before, strict=True)] == [3, 3]

@@ -21,6 +21,7 @@ LABELS = {
     "index": "kvray index",
     "raycall": "kvray, Ray calls",
     "actor": "kvray, Lookup actor",
+    "hmaoff": "kvray, hybrid allocator off",
 }
 """bench_ttft.py's configurations, as the tables name them."""
 
@@ -214,8 +215,8 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
     header = ["input", "hit"] + [f"{LABELS[c]} ms" for c in configs]
     header += [f"{LABELS[c]} saving" for c in saving]
     header += [_paired_label(k) for k in paired]
-    moved = "loaded_bytes_kvray" in rows[-1]
-    header += ["kvray loaded per hit, MB"] if moved else []
+    moved = [c for c in configs if f"loaded_bytes_{c}" in rows[-1]]
+    header += [f"{LABELS[c]} MB loaded, stored" for c in moved]
     out = []
     for r in rows:
         med = {c: r[f"ttft_{c}_s"] * 1e3 for c in configs}
@@ -227,8 +228,8 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
         for k in paired:
             d = r.get(k)
             row.append(_paired_cell(k, d))
-        if moved:
-            row.append(f"{r['loaded_bytes_kvray'] / 1e6:.2f}")
+        for c in moved:
+            row.append(f"{r[f'loaded_bytes_{c}'] / 1e6:.2f}, {r[f'stored_bytes_{c}'] / 1e6:.2f}")
         out.append(row)
     notes = ""
     capacity = meta(run).get("kv_capacity_tokens")

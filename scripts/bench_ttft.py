@@ -47,16 +47,18 @@ otherwise the run is void and fails.
 The model is a locally built Llama with dummy-sized compute (random weights) so that
 prefill dominates as on real hardware. ``--family gemma3``: a hybrid-attention model of
 the same sizes (three of four layers attend to a 512-token sliding window: four KV cache
-groups, vLLM's hybrid allocator on in every configuration); its seed is the prefix and one
-token (vLLM's own cache keeps only the window before a prompt's end), kvray loads
-asynchronously (as it must for such models), and the table adds the bytes kvray loaded
-per hit (the pool's ``get_bytes`` around each probe) and each engine's KV capacity in
-tokens (vLLM's log): kvray's against the ideal's, hybrid allocator on in both.
+groups, vLLM's hybrid allocator on in every configuration but ``hmaoff``: kvray on an
+engine with it off, one group of every layer, what a connector without ``SupportsHMA``
+gets); its seed is the prefix and one token (vLLM's own cache keeps only the window before
+a prompt's end), kvray loads asynchronously (as it must for such models), and the table
+adds the bytes each kvray configuration loaded per hit and stored per turn (the pool's
+``get_bytes`` and ``put_bytes`` around each turn) and each engine's KV cache size in
+tokens (vLLM's log line).
 
     .venv/bin/python scripts/bench_ttft.py --json bench-results/bench_ttft.json
     .venv/bin/python scripts/bench_ttft.py --placement staged --configs full,local,kvray
     .venv/bin/python scripts/bench_ttft.py --smoke --json /tmp/bench_ttft.json
-    .venv/bin/python scripts/bench_ttft.py --family gemma3 --configs full,local,kvray \
+    .venv/bin/python scripts/bench_ttft.py --family gemma3 --configs full,local,kvray,hmaoff \
         --json bench-results/bench_ttft_gemma3.json
 """
 
@@ -94,7 +96,9 @@ from _engines import (  # noqa: E402
 )
 from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
-CONFIGS = ("full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor")
+CONFIGS = (
+    "full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor", "hmaoff"
+)  # fmt: skip
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
     "full": "full",
@@ -106,6 +110,7 @@ LABELS = {
     "index": "index",
     "raycall": "ray-calls",
     "actor": "actor-lookups",
+    "hmaoff": "kvray-hma-off",
 }
 PAIRS = (
     ("index", "kvray"),
@@ -130,7 +135,7 @@ engines started together, without their warm-up request (``start_engines``)."""
 
 def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
-    if name in ("kvray", "staged", "nock", "index", "raycall", "actor"):
+    if name in ("kvray", "staged", "nock", "index", "raycall", "actor", "hmaoff"):
         pools = {"nock": "bench-nock", "index": "bench-ix", "actor": "bench-actor"}
         extra = {
             "pool_name": pools.get(name, "bench"),
@@ -141,6 +146,8 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         }
         if name == "raycall":
             extra["transfer_channel"] = "ray"
+        if name == "hmaoff":  # vLLM's hybrid allocator off: one group, sliding layers whole
+            spec["hma"] = False
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
     elif name == "peer":
         spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG
@@ -215,11 +222,16 @@ def main() -> int:
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
                 needs_seed = prefix_len > 0 and name != "full"
-                before = pool.stats().total.get_bytes if hybrid and name == "kvray" else None
+                before = pool.stats().total if hybrid and name in MOVED else None
                 answer = engines[name].turn(seed if needs_seed else None, probe)
                 if before is not None:
-                    moved = pool.stats().total.get_bytes - before
-                    reps.setdefault(("bytes", length, rate), []).append(moved)
+                    after = pool.stats().total
+                    reps.setdefault((f"get_{name}", length, rate), []).append(
+                        after.get_bytes - before.get_bytes
+                    )
+                    reps.setdefault((f"put_{name}", length, rate), []).append(
+                        after.put_bytes - before.put_bytes
+                    )
                 check_cached(name, answer["cached_tokens"], prefix_len, length)
                 reps.setdefault((name, length, rate), []).append(answer["ttft_s"])
                 cached.setdefault((name, length, rate), []).append(answer["cached_tokens"])
@@ -237,9 +249,14 @@ def main() -> int:
                 row[f"ttft_{name}_s"] = statistics.median(times)
                 row[f"reps_{name}_s"] = times
                 row[f"cached_tokens_{name}"] = cached[(name, length, rate)]
-            if ("bytes", length, rate) in reps:
-                row["reps_loaded_bytes_kvray"] = moved_reps = reps[("bytes", length, rate)]
-                row["loaded_bytes_kvray"] = statistics.median(moved_reps)
+            for name in MOVED:
+                if (f"get_{name}", length, rate) in reps:
+                    got = reps[(f"get_{name}", length, rate)]
+                    put = reps[(f"put_{name}", length, rate)]
+                    row[f"reps_loaded_bytes_{name}"] = got
+                    row[f"loaded_bytes_{name}"] = statistics.median(got)
+                    row[f"reps_stored_bytes_{name}"] = put
+                    row[f"stored_bytes_{name}"] = statistics.median(put)
             if floor:
                 row["reps_floor_s"] = floors = reps[("floor", length, rate)]
                 pairs = zip(row["reps_staged_s"], row["reps_local_s"], strict=True)
@@ -285,6 +302,12 @@ def main() -> int:
     return 0
 
 
+MOVED = ("kvray", "hmaoff")
+"""The configurations on the ``bench`` pool whose bytes a hybrid run records: the pool's
+``get_bytes`` (the probe's load) and ``put_bytes`` (the seed's and probe's saves) around
+each turn, which no other configuration's requests touch."""
+
+
 def kv_capacity(log_text: str) -> int | None:
     """The engine's KV cache capacity in tokens, as vLLM logs it at startup."""
     import re
@@ -296,12 +319,16 @@ def kv_capacity(log_text: str) -> int | None:
 def print_family(rows: list[dict[str, Any]], capacity: dict[str, int | None], family: str) -> None:
     """A hybrid family's extra columns: what kvray loaded per hit, and the engines' KV
     capacity (vLLM's hybrid allocator on with kvray as without a connector)."""
-    print(f"\n{family}: bytes kvray loaded per hit (median over reps)")
-    print(f"{'input':>6} {'hit':>5} {'loaded MB':>10}")
+    names = [n for n in MOVED if f"loaded_bytes_{n}" in rows[-1]]
+    print(f"\n{family}: MB loaded per hit and stored per turn (median over reps)")
+    head = "".join(f" {LABELS[n] + ' loaded':>22} {LABELS[n] + ' stored':>22}" for n in names)
+    print(f"{'input':>6} {'hit':>5}{head}")
     for r in rows:
-        if "loaded_bytes_kvray" in r:
-            mb = r["loaded_bytes_kvray"] / 1e6
-            print(f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {mb:>10.2f}")
+        cells = "".join(
+            f" {r[f'loaded_bytes_{n}'] / 1e6:>22.2f} {r[f'stored_bytes_{n}'] / 1e6:>22.2f}"
+            for n in names
+        )
+        print(f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%}{cells}")
     shown = ", ".join(f"{n} {c if c is not None else '?'}" for n, c in capacity.items())
     print(f"KV cache capacity in tokens (vLLM's log): {shown}")
 

@@ -457,6 +457,8 @@ def _engine(spec: dict[str, Any]) -> int:
         _install_hooks(spec, hashes)
 
     kwargs: dict[str, Any] = {"enable_prefix_caching": bool(spec.get("prefix_caching"))}
+    if spec.get("hma") is False:  # vLLM's hybrid allocator off: one group of every layer
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("kv_events_config"):  # the engine's own KV events (vLLM's publisher)

@@ -39,7 +39,7 @@ def prefill_model(tmp_path_factory) -> str:
             "bench_ttft.py",
             "bench_ttft_gemma3.json",
             "loaded MB",
-            ("--family", "gemma3", "--configs", "full,local,kvray"),
+            ("--family", "gemma3", "--configs", "full,local,kvray,hmaoff"),
         ),
         ("bench_layerwise.py", "bench_layerwise.json", "lw shared", ()),
         ("ttft_breakdown.py", "ttft_breakdown.json", "excess", ()),

@@ -136,7 +136,12 @@ engines started together, without their warm-up request (``start_engines``)."""
 def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> dict[str, Any]:
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if name in ("kvray", "staged", "nock", "index", "raycall", "actor", "hmaoff"):
-        pools = {"nock": "bench-nock", "index": "bench-ix", "actor": "bench-actor"}
+        pools = {
+            "nock": "bench-nock",
+            "index": "bench-ix",
+            "actor": "bench-actor",
+            "hmaoff": "bench-hmaoff",
+        }
         extra = {
             "pool_name": pools.get(name, "bench"),
             # (a hybrid model's loads are async: vLLM takes their failures per request only)
@@ -192,13 +197,17 @@ def main() -> int:
     # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock);
     # index: on a pool of its own with lookup_index set (now the default); actor: on a
     # pool whose lookups are calls to the Lookup actor.
+    # hmaoff: on a pool of its own (its blocks beside kvray's would evict the seeds').
+    pools = {"kvray": pool}
     for name, pool_name, setting in (
         ("nock", "bench-nock", {"checksum": False}),
         ("index", "bench-ix", {"lookup_index": True}),
         ("actor", "bench-actor", {"lookup_index": False}),
+        ("hmaoff", "bench-hmaoff", {}),
     ):
         if name in configs:
-            stops.append(bench_pool(pool_name, SEGMENT, "256MB", master, **setting).shutdown)
+            pools[name] = bench_pool(pool_name, SEGMENT, "256MB", master, **setting)
+            stops.append(pools[name].shutdown)
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     reps: dict[tuple[str, int, float], list[float]] = {}
     cached: dict[tuple[str, int, float], list[int]] = {}
@@ -222,10 +231,10 @@ def main() -> int:
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
                 needs_seed = prefix_len > 0 and name != "full"
-                before = pool.stats().total if hybrid and name in MOVED else None
+                before = pools[name].stats().total if hybrid and name in MOVED else None
                 answer = engines[name].turn(seed if needs_seed else None, probe)
                 if before is not None:
-                    after = pool.stats().total
+                    after = pools[name].stats().total
                     reps.setdefault((f"get_{name}", length, rate), []).append(
                         after.get_bytes - before.get_bytes
                     )
@@ -303,9 +312,9 @@ def main() -> int:
 
 
 MOVED = ("kvray", "hmaoff")
-"""The configurations on the ``bench`` pool whose bytes a hybrid run records: the pool's
-``get_bytes`` (the probe's load) and ``put_bytes`` (the seed's and probe's saves) around
-each turn, which no other configuration's requests touch."""
+"""The configurations whose bytes a hybrid run records: their pool's ``get_bytes`` (the
+probe's load) and ``put_bytes`` (the seed's and probe's saves) around each turn, which no
+other configuration's requests touch (``hmaoff`` has a pool of its own)."""
 
 
 def kv_capacity(log_text: str) -> int | None:

@@ -41,7 +41,7 @@ from kvray.errors import (
     RegionError,
     TransferError,
 )
-from kvray.index.lookup import Answer
+from kvray.index.lookup import Why
 from kvray.index.prefix_match import PrefixMatch
 from kvray.keys import BlockKey, KeySpace
 from kvray.naming import region_prefix
@@ -451,18 +451,17 @@ class Pool:
 
     def lookup_why(
         self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None
-    ) -> Answer:
+    ) -> Why:
         """:meth:`lookup`, with the reason the block after the leading hits missed (one of
         :data:`kvray.misses.REASONS`; empty when all hit)."""
         t = self.config.lookup_timeout_s if timeout_s is None else timeout_s
         call = self._h.lookup().lookup(space, list(block_hashes), t)
         try:
-            return call.result(t + _LOOKUP_MARGIN_S)
+            answer = call.result(t + _LOOKUP_MARGIN_S)
+            return Why(answer.hits, answer.miss)
         except KVRayError as exc:
             logger.warning("lookup failed (%s): counted as a miss", exc)
-            return Answer(
-                0, "lookup_timeout" if isinstance(exc, CallTimeoutError) else "lookup_error"
-            )
+            return Why(0, "lookup_timeout" if isinstance(exc, CallTimeoutError) else "lookup_error")
 
     async def alookup(
         self, space: KeySpace, block_hashes: Iterable[bytes], *, timeout_s: float | None = None

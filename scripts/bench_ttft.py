@@ -298,8 +298,7 @@ def main() -> int:
         meta = run_meta(
             reps=args.reps,
             configs=configs,
-            family=args.family,
-            kv_capacity_tokens=capacity,
+            **({"family": args.family, "kv_capacity_tokens": capacity} if hybrid else {}),
             order="interleaved: per (length, rate, rep) every config in turn, order rotated "
             "per rep; engines not in turn paused (SIGSTOP)",
             checks="every measured request: caching configs skipped >= the prefix "

@@ -82,6 +82,13 @@ class Answer(NamedTuple):
     """Of the hits, how many only the SSD tier holds (some column not in DRAM)."""
 
 
+class Why(NamedTuple):
+    """A lookup as the Pool API answers it: ``(hits, reason)`` (:meth:`Pool.lookup_why`)."""
+
+    hits: int
+    miss: str = ""
+
+
 def first_miss(present: Sequence[bool], num_blocks: int, columns: int, hits: int) -> bool:
     """Whether the first missing block (index ``hits``) is present in some column."""
     if hits >= num_blocks:

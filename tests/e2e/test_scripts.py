@@ -38,7 +38,7 @@ def prefill_model(tmp_path_factory) -> str:
         (
             "bench_ttft.py",
             "bench_ttft_gemma3.json",
-            "loaded MB",
+            "kvray-hma-off loaded",
             ("--family", "gemma3", "--configs", "full,local,kvray,hmaoff"),
         ),
         ("bench_layerwise.py", "bench_layerwise.json", "lw shared", ()),

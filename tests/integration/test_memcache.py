@@ -104,8 +104,8 @@ def test_lookup_actor_on_ray_against_the_real_meta_service(ray_cluster, meta):
     try:
         space = KeySpace("mmc", KVLayout("float16", 16, 2, 64).tag(), tp_size=2)
         hashes = chain_block_hashes(list(range(160)), 16)
-        assert ray.get(actor.lookup.remote(space, hashes, 5.0)) == (0, "not_stored")
-        assert ray.get(actor.lookup.remote(space, [], 5.0)) == (0, "")
+        assert ray.get(actor.lookup.remote(space, hashes, 5.0)) == (0, "not_stored", 0)
+        assert ray.get(actor.lookup.remote(space, [], 5.0)) == (0, "", 0)
         stats = ray.get(actor.snapshot.remote())["stats"]
         assert stats["lookups"] == 2 and stats["lookup_blocks"] == 10
         assert stats["miss_not_stored"] == 10

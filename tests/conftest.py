@@ -67,94 +67,63 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(str(tmp_path_factory.getbasetemp())).parent
 
 
+def built_once(tmp_path_factory, name: str, build) -> str:  # type: ignore[no-untyped-def]
+    """``build(path)``'s model, built once per run in ``name`` (the xdist workers share it:
+    a lock in the run's temp root, the first worker builds it)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(build(tmp_path_factory.mktemp("model") / name))
+    root = run_dir(tmp_path_factory)
+    with open(root / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"{name}.done"
+        if not done.exists():
+            build(root / name)
+            done.touch()
+    return str(root / name)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The tiny Llama, built once per run (the xdist workers share it: a lock in the run's
-    temp root, the first worker builds it)."""
+    """The tiny Llama, built once per run."""
     from kvray.testing.tiny_model import build_tiny_llama
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-llama.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-llama.done"
-        if not done.exists():
-            build_tiny_llama(root / "tiny-llama")
-            done.touch()
-    return str(root / "tiny-llama")
+    return built_once(tmp_path_factory, "tiny-llama", build_tiny_llama)
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory):
     """The tiny Gemma 3 (sliding-window and full-attention layers: several KV cache groups),
-    built once per run like ``tiny_model``."""
+    built once per run."""
     from kvray.testing.tiny_model import build_tiny_gemma3
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-gemma3.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-gemma3.done"
-        if not done.exists():
-            build_tiny_gemma3(root / "tiny-gemma3")
-            done.touch()
-    return str(root / "tiny-gemma3")
+    return built_once(tmp_path_factory, "tiny-gemma3", build_tiny_gemma3)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory):
     """The tiny Qwen3-Next (Gated DeltaNet and full-attention layers: state groups beside
-    an attention group), built once per run like ``tiny_model``; vLLM runs it in bfloat16."""
+    an attention group), built once per run; vLLM runs it in bfloat16."""
     from kvray.testing.tiny_model import build_tiny_qwen3_next
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_qwen3_next(tmp_path_factory.mktemp("model") / "tiny-qwen3-next"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-qwen3-next.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-qwen3-next.done"
-        if not done.exists():
-            build_tiny_qwen3_next(root / "tiny-qwen3-next")
-            done.touch()
-    return str(root / "tiny-qwen3-next")
+    return built_once(tmp_path_factory, "tiny-qwen3-next", build_tiny_qwen3_next)
 
 
 @pytest.fixture(scope="session")
 def tiny_nemotron_h(tmp_path_factory):
     """The tiny Nemotron-H (Mamba-2 and attention layers: a state group beside an
-    attention group), built once per run like ``tiny_model``."""
+    attention group), built once per run."""
     from kvray.testing.tiny_model import build_tiny_nemotron_h
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_nemotron_h(tmp_path_factory.mktemp("model") / "tiny-nemotron-h"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-nemotron-h.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-nemotron-h.done"
-        if not done.exists():
-            build_tiny_nemotron_h(root / "tiny-nemotron-h")
-            done.touch()
-    return str(root / "tiny-nemotron-h")
+    return built_once(tmp_path_factory, "tiny-nemotron-h", build_tiny_nemotron_h)
 
 
 @pytest.fixture(scope="session")
 def tiny_mla(tmp_path_factory):
     """The tiny DeepSeek-V2 (latent attention: one MLA group, the same latent on every TP
-    rank), built once per run like ``tiny_model``; vLLM runs it in bfloat16."""
+    rank), built once per run; vLLM runs it in bfloat16."""
     from kvray.testing.tiny_model import build_tiny_deepseek_mla
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return str(build_tiny_deepseek_mla(tmp_path_factory.mktemp("model") / "tiny-mla"))
-    root = run_dir(tmp_path_factory)
-    with open(root / "tiny-mla.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = root / "tiny-mla.done"
-        if not done.exists():
-            build_tiny_deepseek_mla(root / "tiny-mla")
-            done.touch()
-    return str(root / "tiny-mla")
+    return built_once(tmp_path_factory, "tiny-mla", build_tiny_deepseek_mla)
 
 
 def _unit_of_work(nodeid: str) -> str:

@@ -177,21 +177,18 @@ class Loader:
     def _account(self, ops: list[BlockOp], statuses: list[KeyStatus]) -> None:
         block_ids = [b for op in ops for b in op.block_ids]
         failed = {b for b, s in zip(block_ids, statuses, strict=True) if s is not KeyStatus.OK}
-        if self._region.kv_grouped:
-            # vLLM takes a hybrid model's failed load per request only (its async loads).
-            i = 0
-            for op in ops:
-                if any(s is not KeyStatus.OK for s in statuses[i : i + len(op.block_ids)]):
-                    self._failed_reqs.add(op.req_id)
-                i += len(op.block_ids)
-        else:
+        grouped = self._region.kv_grouped
+        if not grouped:
             self._errors |= failed
-        ok_bytes = 0
-        i = 0
+        ok_bytes = i = 0
         for op in ops:
-            ok = sum(s is KeyStatus.OK for s in statuses[i : i + len(op.block_ids)])
+            mine = statuses[i : i + len(op.block_ids)]
+            i += len(mine)
+            ok = sum(s is KeyStatus.OK for s in mine)
             ok_bytes += ok * self._region.row_bytes_of(op.group)
-            i += len(op.block_ids)
+            if grouped and ok < len(mine):
+                # vLLM takes a hybrid model's failed load per request only (async loads).
+                self._failed_reqs.add(op.req_id)
         self._stats.add("loaded_blocks", len(block_ids) - len(failed))
         self._stats.add("loaded_bytes", ok_bytes)
         self._stats.add("load_failed_blocks", len(failed))

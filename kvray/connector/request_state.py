@@ -4,7 +4,7 @@ does not hold yet)."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,20 +129,20 @@ def plan_saves(
         for g, ids in enumerate(st.group_ids):
             if g in state_groups:  # saved as vLLM offers them (offered_states), never by position
                 continue
-            keep = [i for i, b in enumerate(ids[st.next_save : full]) if b != NULL_BLOCK]
-            if keep:
-                saves.append(
-                    BlockOp(
-                        rid,
-                        tuple(hashes[i] for i in keep),
-                        tuple(ids[st.next_save + i] for i in keep),
-                        group=g,
-                    )
-                )
+            op = group_op(rid, hashes, ids[st.next_save : full], g)
+            if op.block_ids:
+                saves.append(op)
         st.saved_blocks += full - st.next_save
         st.next_save = full
         st.saves_issued = True
     return saves
+
+
+def group_op(rid: str, hashes: Sequence[bytes], ids: Sequence[int], group: int) -> BlockOp:
+    """The blocks ``ids`` (one per hash of ``hashes``) of KV cache group ``group``, but
+    vLLM's null block (where a sliding window keeps none)."""
+    keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+    return BlockOp(rid, tuple(hashes[i] for i in keep), tuple(ids[i] for i in keep), group)
 
 
 def offered_states(

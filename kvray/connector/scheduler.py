@@ -35,7 +35,7 @@ from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
-from kvray.connector.kv_groups import NULL_BLOCK, SLIDING, STATE
+from kvray.connector.kv_groups import SLIDING, STATE
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
 from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
 from kvray.connector.lookup import Lookups, PendingLookup
@@ -45,6 +45,7 @@ from kvray.connector.pd_params import PDParams
 from kvray.connector.pins import BlockPins
 from kvray.connector.request_state import (
     RequestState,
+    group_op,
     hash_bytes,
     offered_states,
     plan_saves,
@@ -145,11 +146,10 @@ class KVRayScheduler:
         self._late_saves: list[BlockOp] = []
         """Saves of finished requests that were held until their loads were known good."""
         self._own_saves = OwnSaves(pool.config.call_timeout_s, self._lookups.timeout_s)
+        """This instance's saves in flight, which its lookups wait for."""
         self._pins = BlockPins()
         """Sliding-window and state blocks held until their saves ended (a hybrid
         model's)."""
-        self._state_groups = frozenset(info.space.state_groups)
-        """This instance's saves in flight, which its lookups wait for."""
         self.load_failure_policy = ""
         """What vLLM does with failed loads (from the workers' handshake)."""
         self._errored: dict[str, tuple[RequestState, int, list[int]]] = {}
@@ -407,13 +407,7 @@ class KVRayScheduler:
         queue = self._async_loads if self.info.config.load_async else self._loads
         for g, ids in enumerate(st.group_ids):
             # A sliding window's blocks before its window are vLLM's null block: not loaded.
-            keep = [i for i, b in enumerate(ids[first:last]) if b != NULL_BLOCK]
-            op = BlockOp(
-                request.request_id,
-                tuple(hashes[i] for i in keep),
-                tuple(ids[first + i] for i in keep),
-                group=g,
-            )
+            op = group_op(request.request_id, hashes, ids[first:last], g)
             queue.append(op)
             if len(st.group_ids) == 1:  # (a hybrid model's failures are per request)
                 for block_id in op.block_ids:
@@ -434,9 +428,8 @@ class KVRayScheduler:
                 self._unverified[block_id] = self._step
         saves, self._late_saves = self._late_saves, []
         if self.info.can_save:
-            planned = plan_saves(
-                self._reqs, scheduled, self.block_size, self._unverified, self._state_groups
-            )
+            states = self.info.space.state_groups
+            planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified, states)
             planned += offered_states(self._reqs, scheduler_output, self.block_size)
             saves += self._pin_windows(planned)
             if self._describer is not None:
@@ -458,9 +451,10 @@ class KVRayScheduler:
         return meta
 
     def _pin_windows(self, ops: list[BlockOp]) -> list[BlockOp]:
-        """``ops``, their sliding-window blocks held in vLLM's block pool until their
-        saves ended (:mod:`kvray.connector.pins`); without a block pool to hold them in,
-        those saves are dropped (said once), never sent over blocks vLLM may reuse."""
+        """``ops``, their sliding-window and state blocks (which vLLM frees mid-request)
+        held in vLLM's block pool until their saves ended (:mod:`kvray.connector.pins`);
+        without a block pool to hold them in, those saves are dropped (said once), never
+        sent over blocks vLLM may reuse."""
         groups = self.info.groups
         if len(groups) < 2:
             return ops
@@ -469,8 +463,9 @@ class KVRayScheduler:
             return ops
         self._warn_once(
             "no-block-pool",
-            "KVRayConnector: vLLM bound no block pool to the connector: sliding-window blocks "
-            "are not stored (a hit of this model then needs its window from vLLM's own cache)",
+            "KVRayConnector: vLLM bound no block pool to the connector: sliding-window and "
+            "state blocks are not stored (a hit of this model then needs them from vLLM's "
+            "own cache)",
         )
         return [op for op in ops if groups[op.group].kind not in (SLIDING, STATE)]
 
@@ -542,7 +537,8 @@ class KVRayScheduler:
             # its loads did not fail (a failed one is recomputed first), so they are good
             # now; one aborted meanwhile may still sit on a failed load: dropped.
             held = () if _finished_normally(request) else self._unverified
-            late = plan_saves({rid: st}, (rid,), self.block_size, held, self._state_groups)
+            states = self.info.space.state_groups
+            late = plan_saves({rid: st}, (rid,), self.block_size, held, states)
             self._late_saves += self._pin_windows(late)
             if self._describer is not None:
                 first_group = [op for op in late if op.group == 0]

@@ -179,8 +179,8 @@ class KVRayWorker:
 
     def _group_major(self, kv_caches: Mapping[str, KVEntry]) -> Mapping[str, KVEntry]:
         """A hybrid model's layers in KV cache group order (each group's layers one run:
-        its columns); vLLM's own order for one group. A layer of a group appears once per
-        group it is in (vLLM's groups share the cache tensors of their i-th layers)."""
+        its columns); vLLM's own order for one group. Every layer is in one group (the
+        groups' layers may share one cache tensor: vLLM's hybrid allocator overlays them)."""
         groups = self.info.groups
         if len(groups) < 2:
             return kv_caches

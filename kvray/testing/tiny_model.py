@@ -11,7 +11,9 @@ Building is deterministic, so two builds give the same outputs.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -52,6 +54,24 @@ def _save_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def _save(path: Path, settings: dict[str, Any], make: Callable[[], Any]) -> Path:
+    """The checkpoint ``make`` builds (a transformers model, its weights drawn after
+    seeding torch with ``settings["seed"]``) and the tokenizer, saved to ``path`` with
+    ``settings`` as its marker; nothing is built when the marker there equals
+    ``settings``."""
+    marker = path / "kvray_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        return path
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(path, settings["vocab_size"])
+    torch.manual_seed(settings["seed"])
+    make().save_pretrained(path)
+    marker.write_text(json.dumps(settings))
+    return path
+
+
 def build_tiny_llama(
     path: str | Path,
     *,
@@ -72,31 +92,26 @@ def build_tiny_llama(
         "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "max_positions": max_positions, "seed": seed, "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
-    marker = path / "kvray_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
-    marker.write_text(json.dumps(settings))
-    return path
+    def make() -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            dtype="float32",
+        )
+        return LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+
+    return _save(path, settings, make)
 
 
 def build_tiny_gemma3(
@@ -127,39 +142,34 @@ def build_tiny_gemma3(
         "sliding_window": sliding_window, "full_every": full_every,
         "max_positions": max_positions, "seed": seed, "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
-    marker = path / "kvray_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, vocab_size)
-    layer_types = [
-        "full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
-        for i in range(num_layers)
-    ]
-    config = Gemma3TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        query_pre_attn_scalar=head_dim,
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    Gemma3ForCausalLM(config).save_pretrained(path)
-    marker.write_text(json.dumps(settings))
-    return path
+    def make() -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layer_types = [
+            "full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+        config = Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            dtype="float32",
+        )
+        return Gemma3ForCausalLM(config)
+
+    return _save(path, settings, make)
 
 
 def build_tiny_qwen3_next(
@@ -202,46 +212,41 @@ def build_tiny_qwen3_next(
         "max_positions": max_positions, "seed": seed,
         "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
-    marker = path / "kvray_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, vocab_size)
-    layer_types = [
-        "full_attention" if (i + 1) % full_every == 0 else "linear_attention"
-        for i in range(num_layers)
-    ]
-    config = Qwen3NextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        linear_num_key_heads=linear_num_key_heads,
-        linear_num_value_heads=linear_num_value_heads,
-        linear_key_head_dim=linear_head_dim,
-        linear_value_head_dim=linear_head_dim,
-        linear_conv_kernel_dim=linear_conv_kernel_dim,
-        layer_types=layer_types,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
-        shared_expert_intermediate_size=moe_intermediate_size,
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        dtype="bfloat16",
-    )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config)  # type: ignore[no-untyped-call]
-    model.bfloat16().save_pretrained(path)
-    marker.write_text(json.dumps(settings))
-    return path
+    def make() -> Any:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        layer_types = [
+            "full_attention" if (i + 1) % full_every == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
+        config = Qwen3NextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            linear_num_key_heads=linear_num_key_heads,
+            linear_num_value_heads=linear_num_value_heads,
+            linear_key_head_dim=linear_head_dim,
+            linear_value_head_dim=linear_head_dim,
+            linear_conv_kernel_dim=linear_conv_kernel_dim,
+            layer_types=layer_types,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=moe_intermediate_size,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            dtype="bfloat16",
+        )
+        model = Qwen3NextForCausalLM(config)  # type: ignore[no-untyped-call]
+        return model.bfloat16()
+
+    return _save(path, settings, make)
 
 
 def build_tiny_deepseek_mla(
@@ -275,38 +280,33 @@ def build_tiny_deepseek_mla(
         "v_head_dim": v_head_dim, "max_positions": max_positions, "seed": seed,
         "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
-    marker = path / "kvray_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, vocab_size)
-    config = DeepseekV2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        kv_lora_rank=kv_lora_rank,
-        q_lora_rank=None,
-        qk_rope_head_dim=qk_rope_head_dim,
-        qk_nope_head_dim=qk_nope_head_dim,
-        v_head_dim=v_head_dim,
-        first_k_dense_replace=num_layers,  # every layer a dense MLP: no experts
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        dtype="bfloat16",
-    )
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
-    model.bfloat16().save_pretrained(path)
-    marker.write_text(json.dumps(settings))
-    return path
+    def make() -> Any:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            q_lora_rank=None,
+            qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            v_head_dim=v_head_dim,
+            first_k_dense_replace=num_layers,  # every layer a dense MLP: no experts
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            dtype="bfloat16",
+        )
+        model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
+        return model.bfloat16()
+
+    return _save(path, settings, make)
 
 
 _NEMOTRON_H_LAYERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
@@ -347,37 +347,32 @@ def build_tiny_nemotron_h(
         "intermediate_size": intermediate_size, "max_positions": max_positions,
         "seed": seed, "chat_template": CHAT_TEMPLATE,
     }  # fmt: skip
-    marker = path / "kvray_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
-    import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(path, vocab_size)
-    config = NemotronHConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        layers_block_type=[_NEMOTRON_H_LAYERS[c] for c in pattern],
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        mamba_num_heads=mamba_num_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=n_groups,
-        ssm_state_size=ssm_state_size,
-        conv_kernel=conv_kernel,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    NemotronHForCausalLM(config).save_pretrained(path)
-    marker.write_text(json.dumps(settings))
-    return path
+    def make() -> Any:
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        config = NemotronHConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            layers_block_type=[_NEMOTRON_H_LAYERS[c] for c in pattern],
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            mamba_num_heads=mamba_num_heads,
+            mamba_head_dim=mamba_head_dim,
+            n_groups=n_groups,
+            ssm_state_size=ssm_state_size,
+            conv_kernel=conv_kernel,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            dtype="float32",
+        )
+        return NemotronHForCausalLM(config)
+
+    return _save(path, settings, make)
 
 
 def build_prefill_bound_gemma3(path: str | Path) -> Path:

@@ -97,8 +97,12 @@ class EventFeeds:
         self._warn = WarnOnce(logger)
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Start the thread; returns once its sockets are bound and connected (vLLM's
-        types imported: seconds, once), raising what failed there."""
+        """Start the thread; returns once its sockets are bound and connected, raising
+        what failed there. vLLM's event types are imported here first, outside
+        ``timeout_s``: that import alone takes from seconds to tens of seconds on a
+        busy host."""
+        from vllm.distributed.kv_events import KVEventBatch  # noqa: F401
+
         self._thread = threading.Thread(target=self._run, name="kvray-router-feeds", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvray.errors import KVRayError
-from kvray.index.kv_events import BlockInfo, Described
+from kvray.index.kv_events import BlockInfo, Described, GroupInfo
 
 if TYPE_CHECKING:
     from kvray.config import KVEventsConfig
@@ -48,6 +48,9 @@ class BlockDescriber:
         self.topic = topic
         self._warn = warn
         self._call: Call[None] | None = None
+        self._groups = tuple(
+            GroupInfo(g.spec_kind or None, g.sliding_window or None) for g in info.groups
+        )
         self.described = 0
         """Blocks described since start."""
 
@@ -67,7 +70,7 @@ class BlockDescriber:
         if not blocks:
             return
         self._check()
-        report = Described(space, self.topic, self._info.block_size, tuple(blocks))
+        report = Described(space, self.topic, self._info.block_size, tuple(blocks), self._groups)
         self._call = self._manager.describe_blocks([report])
         self.described += len(blocks)
 

@@ -57,6 +57,9 @@ class KVGroup:
     state: str = ""
     """A state group's state shapes and dtypes, e.g. ``(3, 512):bfloat16,(2, 128,
     128):float32``."""
+    spec_kind: str = ""
+    """vLLM's name of the group's kind (``KVCacheSpecKind``: ``full_attention``,
+    ``mla_attention``, ``sliding_window``, ``mamba``), as KV events carry it."""
 
     @property
     def identity(self) -> str:
@@ -85,7 +88,14 @@ class KVGroup:
 def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     """The engine's groups, in vLLM's order; a ConfigError for a group kvray cannot
     store, naming what to do."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, SlidingWindowSpec
+    from dataclasses import replace
+
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        get_kv_cache_spec_kind,
+    )
 
     groups = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -103,6 +113,7 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
             groups.append(KVGroup(i, FULL, names, spec.block_size))
         else:
             raise ConfigError(_unsupported(i, spec, names))
+        groups[-1] = replace(groups[-1], spec_kind=get_kv_cache_spec_kind(spec).value)
     sizes = {g.block_size for g in groups}
     if len(sizes) > 1:
         raise ConfigError(

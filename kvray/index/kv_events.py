@@ -15,6 +15,11 @@ format for what the *pool* holds:
   saves): the index knows 8-byte digests only. A block the pool holds that no scheduler
   described (stored through the Pool API, or before the manager last started) is not
   published.
+- **KV cache groups** (a hybrid model's full-attention, sliding-window and state groups):
+  each group's block is announced on its own, with vLLM's ``group_idx``, spec kind and
+  window, once every column of that group is stored (a state group's only at the block
+  boundaries whose state was saved), so a router finds where every group can serve a
+  prefix, as vLLM's own per-group events let it.
 - **Topics**: one key space per topic, the topic the describing engine's
   ``kv_events.topic`` template names (default ``kv@{host}@{model}``, llm-d's per-engine
   convention), so a router attributes the pool's blocks to each engine attached to it.
@@ -73,6 +78,16 @@ class BlockInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """One KV cache group as vLLM's ``BlockStored`` names it."""
+
+    kind: str | None = None
+    """vLLM's ``KVCacheSpecKind`` value (``full_attention``, ``sliding_window``,
+    ``mamba``, ...); None: not known."""
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Described:
     """A scheduler's saved blocks of one key space, for the pool's events on ``topic``."""
 
@@ -80,6 +95,9 @@ class Described:
     topic: str
     block_size: int
     blocks: tuple[BlockInfo, ...]
+    groups: tuple[GroupInfo, ...] = ()
+    """The key space's KV cache groups, one per ``space.kv_groups`` (empty: unknown
+    kinds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +110,20 @@ class Event:
     ownership: str | None = None
     block_size: int = 0
     blocks: tuple[BlockInfo, ...] = ()
+    group: int = 0
+    """The KV cache group of ``blocks`` (vLLM's ``group_idx``)."""
+    group_info: GroupInfo = GroupInfo()
 
 
 @dataclass(slots=True, eq=False)
 class _Block:
+    """One KV cache group's block."""
+
     info: BlockInfo
     space: _Space
+    group: int
     digests: np.ndarray
-    """The block's key digests, one per column of its key space."""
+    """The block's key digests, one per column of its key space's group."""
     media: dict[str, str | None] = field(default_factory=dict)
     """Media announced stored -> the ownership they were announced with."""
 
@@ -108,9 +132,19 @@ class _Block:
 class _Space:
     space: KeySpace
     block_size: int
+    groups: tuple[GroupInfo, ...]
     topics: set[str] = field(default_factory=set)
-    blocks: dict[bytes, _Block] = field(default_factory=dict)
-    """By block hash, in the order they were described (parents before children)."""
+    blocks: dict[tuple[bytes, int], _Block] = field(default_factory=dict)
+    """By block hash and group, in the order they were described (parents before
+    children, each block's groups in order)."""
+    columns: list[np.ndarray] = field(default_factory=list)
+    """Per group, the columns of the key space that are that group's."""
+
+    def __post_init__(self) -> None:
+        of = np.array([self.space.column(c)[2] for c in range(self.space.columns)])
+        self.columns = [np.nonzero(of == g)[0] for g in range(self.space.kv_groups)]
+        if len(self.groups) != self.space.kv_groups:
+            self.groups = (GroupInfo(),) * self.space.kv_groups
 
 
 class BlockCatalog:
@@ -134,7 +168,7 @@ class BlockCatalog:
         self._spaces: dict[KeySpace, _Space] = {}
         self._topics: dict[str, _Space] = {}
         self._by_digest: dict[int, _Block] = {}
-        self._order: dict[tuple[int, bytes], _Block] = {}
+        self._order: dict[tuple[int, bytes, int], _Block] = {}
         """Every block, oldest described first."""
         self.refused_topics: set[str] = set()
         """Topics a second key space asked for: its blocks were not published."""
@@ -151,7 +185,7 @@ class BlockCatalog:
         events those of blocks already complete in a medium."""
         sp = self._spaces.get(d.space)
         if sp is None:
-            sp = self._spaces[d.space] = _Space(d.space, d.block_size)
+            sp = self._spaces[d.space] = _Space(d.space, d.block_size, d.groups)
         new_topics: list[str] = []
         owner = self._topics.get(d.topic)
         if owner is None:
@@ -172,18 +206,22 @@ class BlockCatalog:
                 d.space.tp_size,
                 d.space.pp_size,
             )
-        fresh = [b for b in d.blocks if b.block_hash not in sp.blocks]
+        n = len(sp.columns)
+        fresh = [b for b in d.blocks if any((b.block_hash, g) not in sp.blocks for g in range(n))]
         if not fresh or not sp.topics:  # (a key space no topic carries: nothing to say)
             return new_topics, []
         digs = space_digests(d.space, [b.block_hash for b in fresh])
         made = []
         for i, info in enumerate(fresh):
-            block = _Block(info, sp, digs[:, i].copy())
-            sp.blocks[info.block_hash] = block
-            self._order[(id(sp), info.block_hash)] = block
-            for dg in block.digests.tolist():
-                self._by_digest[dg] = block
-            made.append(block)
+            for g, cols in enumerate(sp.columns):
+                if (info.block_hash, g) in sp.blocks:
+                    continue
+                block = _Block(info, sp, g, digs[cols, i].copy())
+                sp.blocks[(info.block_hash, g)] = block
+                self._order[(id(sp), info.block_hash, g)] = block
+                for dg in block.digests.tolist():
+                    self._by_digest[dg] = block
+                made.append(block)
         events = self._evaluate(made)
         events += self._trim()
         return new_topics, events
@@ -202,14 +240,15 @@ class BlockCatalog:
         """``cleared``, then every block announced on ``topic``, by medium and owner."""
         return snapshot_events(*self.announced(topic))
 
-    def announced(self, topic: str) -> tuple[int, list[tuple[BlockInfo, dict[str, str | None]]]]:
-        """``(block size, [(block, its media)])`` of ``topic``'s blocks, oldest first: what
-        a snapshot is made of, taken under the lock (the media dicts are replaced, never
-        changed, so they may be read after it)."""
+    def announced(self, topic: str) -> tuple[int, list[Announced]]:
+        """``(block size, [(block, its group, its media)])`` of ``topic``'s blocks, oldest
+        first: what a snapshot is made of, taken under the lock (the media dicts are
+        replaced, never changed, so they may be read after it)."""
         sp = self._topics.get(topic)
         if sp is None:
             return 0, []
-        return sp.block_size, [(b.info, b.media) for b in sp.blocks.values() if b.media]
+        rows = [(b.info, b.group, sp.groups[b.group], b.media) for b in sp.blocks.values()]
+        return sp.block_size, [r for r in rows if r[3]]
 
     def keys_in(self, medium: str) -> tuple[np.ndarray, list[str]]:
         """Every column key of the blocks announced in ``medium``, and its digest: what
@@ -218,12 +257,12 @@ class BlockCatalog:
         digests: list[np.ndarray] = []
         keys: list[str] = []
         for sp in self._spaces.values():
-            space = sp.space
-            prefixes = space.column_prefixes()
+            prefixes = sp.space.column_prefixes()
+            of_group = [[prefixes[c] for c in cols.tolist()] for cols in sp.columns]
             for block in sp.blocks.values():
                 if medium in block.media:
                     tail = block.info.block_hash.hex()
-                    keys += [p + tail for p in prefixes]
+                    keys += [p + tail for p in of_group[block.group]]
                     digests.append(block.digests)
         return (np.concatenate(digests) if digests else np.empty(0, np.uint64)), keys
 
@@ -233,8 +272,8 @@ class BlockCatalog:
             return []
         tiers = self._index.tiers(np.concatenate([b.digests for b in blocks]))
         at = 0
-        stored: dict[tuple[int, str, str | None], list[_Block]] = {}
-        removed: dict[tuple[int, str, str | None], list[_Block]] = {}
+        stored: dict[tuple[int, int, str, str | None], list[_Block]] = {}
+        removed: dict[tuple[int, int, str, str | None], list[_Block]] = {}
         for block in blocks:
             t = tiers[at : at + len(block.digests)]
             at += len(block.digests)
@@ -243,18 +282,21 @@ class BlockCatalog:
                 now[CPU] = self._pool
             if bool((t & SSD_TIERS).all()):
                 now[STORAGE] = self._ssd_owner(int(t[0] & SSD_TIERS))
+            at_key = (id(block.space), block.group)
             for medium, owner in block.media.items():
                 if now.get(medium, "\0") != owner:
-                    removed.setdefault((id(block.space), medium, owner), []).append(block)
+                    removed.setdefault((*at_key, medium, owner), []).append(block)
             for medium, owner in now.items():
                 if block.media.get(medium, "\0") != owner:
-                    stored.setdefault((id(block.space), medium, owner), []).append(block)
+                    stored.setdefault((*at_key, medium, owner), []).append(block)
             block.media = now
         out: list[tuple[str, Event]] = []
-        for kind, groups in (("removed", removed), ("stored", stored)):
-            for (_, medium, owner), members in groups.items():
+        for kind, changes in (("removed", removed), ("stored", stored)):
+            # (by group: a group's parents are announced before a later group names them)
+            for (_, g, medium, owner), members in sorted(changes.items(), key=lambda kv: kv[0][1]):
                 sp = members[0].space
-                ev = Event(kind, medium, owner, sp.block_size, tuple(b.info for b in members))
+                infos = tuple(b.info for b in members)
+                ev = Event(kind, medium, owner, sp.block_size, infos, g, sp.groups[g])
                 out += [(topic, ev) for topic in sp.topics]
         return out
 
@@ -271,29 +313,33 @@ class BlockCatalog:
             key = next(iter(self._order))
             block = self._order.pop(key)
             sp = block.space
-            del sp.blocks[key[1]]
+            del sp.blocks[key[1:]]
             for dg in block.digests.tolist():
                 if self._by_digest.get(dg) is block:
                     del self._by_digest[dg]
             for medium, owner in block.media.items():
-                ev = Event("removed", medium, owner, sp.block_size, (block.info,))
+                g = block.group
+                ev = Event("removed", medium, owner, sp.block_size, (block.info,), g, sp.groups[g])
                 out += [(topic, ev) for topic in sp.topics]
         return out
 
 
-def snapshot_events(
-    block_size: int, rows: Sequence[tuple[BlockInfo, dict[str, str | None]]]
-) -> list[Event]:
-    """``cleared``, then ``rows``' blocks as ``stored`` events by medium and owner."""
+Announced = tuple[BlockInfo, int, GroupInfo, dict[str, str | None]]
+"""A block as a snapshot lists it: its description, KV cache group, and media."""
+
+
+def snapshot_events(block_size: int, rows: Sequence[Announced]) -> list[Event]:
+    """``cleared``, then ``rows``' blocks as ``stored`` events by group, medium and
+    owner (groups in order)."""
     out = [Event("cleared")]
-    groups: dict[tuple[str, str | None], list[BlockInfo]] = {}
-    for info, media in rows:
+    runs: dict[tuple[int, str, str | None], tuple[GroupInfo, list[BlockInfo]]] = {}
+    for info, g, group, media in rows:
         for medium, owner in media.items():
-            groups.setdefault((medium, owner), []).append(info)
-    for (medium, owner), infos in groups.items():
+            runs.setdefault((g, medium, owner), (group, []))[1].append(info)
+    for (g, medium, owner), (group, infos) in sorted(runs.items(), key=lambda kv: kv[0][0]):
         for lo in range(0, len(infos), SNAPSHOT_BATCH):
             chunk = tuple(infos[lo : lo + SNAPSHOT_BATCH])
-            out.append(Event("stored", medium, owner, block_size, chunk))
+            out.append(Event("stored", medium, owner, block_size, chunk, g, group))
     return out
 
 
@@ -511,6 +557,7 @@ class KVEventsPublisher:
                     vk.BlockRemoved(
                         block_hashes=[self._external(b.block_hash) for b in ev.blocks],
                         medium=ev.medium,
+                        group_idx=ev.group,
                         ownership=ev.ownership,
                     )
                 )
@@ -551,7 +598,8 @@ class KVEventsPublisher:
 
 def _stored(vk: Any, external: Callable[[bytes], Any], ev: Event) -> list[Any]:
     """``BlockStored`` events of ``ev``'s blocks: one per run of blocks that chain (each
-    the parent of the next) and share a LoRA, as vLLM batches its own."""
+    the parent of the next) and share a LoRA, as vLLM batches its own (a state group's
+    blocks, saved at boundaries only, mostly one per event)."""
     out: list[Any] = []
     run: list[BlockInfo] = []
 
@@ -568,6 +616,9 @@ def _stored(vk: Any, external: Callable[[bytes], Any], ev: Event) -> list[Any]:
                     medium=ev.medium,
                     lora_name=run[0].lora_name,
                     extra_keys=extra if any(e is not None for e in extra) else None,
+                    group_idx=ev.group,
+                    kv_cache_spec_kind=ev.group_info.kind,
+                    kv_cache_spec_sliding_window=ev.group_info.sliding_window,
                     ownership=ev.ownership,
                 )
             )

@@ -23,6 +23,13 @@ How an instance is scored, for a prompt of ``n`` full blocks:
 - cost = ``(n - cached) + load_cost * (cached - local)``: blocks to compute, plus blocks
   to load at ``load_cost`` of a computed one.
 
+A hybrid model's KV cache groups (events with ``group_idx``) are held apart, and a prefix
+counts only as far as every group can serve it, by vLLM's rules: a full-attention group
+needs every block before the hit's end, a sliding-window group the blocks of the window
+ending there, a state group (Mamba, linear attention) the block that ends there. A group's
+kind comes from the events that name it (the pool's do; vLLM's own engine events may not,
+and then the pool's word for the same group index is taken; unknown: full attention).
+
 Among the healthy instances with at most ``max_imbalance`` requests in flight more than
 the least busy one, the cheapest wins; ties go to the less busy, then in turn.
 """
@@ -33,7 +40,7 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType, Protocol
 
@@ -80,15 +87,40 @@ Where = tuple[str | None, str | None]
 """(medium, ownership) of a stored block."""
 
 
+FULL, WINDOW, STATE = "full", "window", "state"
+"""How a group serves a hit of ``h`` blocks: every block before ``h``, the window's blocks
+ending at ``h``, or block ``h - 1`` alone."""
+_STATE_KINDS = frozenset({"mamba"})
+_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """A KV cache group's kind as events name it (vLLM's ``kv_cache_spec_kind``)."""
+
+    kind: str | None = None
+    sliding_window: int | None = None
+
+    def rule(self) -> str:
+        if self.kind in _STATE_KINDS:
+            return STATE
+        if self.kind in _WINDOW_KINDS and self.sliding_window:
+            return WINDOW
+        return FULL
+
+
 class CacheView:
-    """What one stream of KV events says is held: each block's key, and where."""
+    """What one stream of KV events says is held: each block's key, and where, per KV
+    cache group."""
 
     def __init__(self, name: str, keys_kept: int = KEYS_KEPT) -> None:
         self.name = name
         self.block_size = 0
         """The block size of its latest ``BlockStored`` (0: none yet)."""
+        self.groups: dict[int, GroupKind] = {}
+        """The KV cache groups its events named, with the kind they gave."""
         self._key_of: OrderedDict[Any, BlockKey] = OrderedDict()
-        self._where: dict[BlockKey, set[Where]] = {}
+        self._where: dict[tuple[BlockKey, int], set[Where]] = {}
         self._kept = keys_kept
         self.unresolved = 0
         """Stored blocks skipped: their parent's key was never seen (a batch was lost)."""
@@ -104,7 +136,12 @@ class CacheView:
         block_size: int,
         extra_keys: Sequence[Any] | None,
         where: Where,
+        group: int | None = None,
+        kind: GroupKind | None = None,
     ) -> None:
+        g = group or 0
+        if (kind is not None and kind.kind is not None) or g not in self.groups:
+            self.groups[g] = kind or GroupKind()
         prev: BlockKey | None = ROOT if parent is None else self._key_of.get(parent)
         if prev is None:
             self.unresolved += len(hashes)
@@ -115,33 +152,67 @@ class CacheView:
             prev = chain(prev, tokens[i * block_size : (i + 1) * block_size], extra)
             self._key_of[h] = prev
             self._key_of.move_to_end(h)
-            self._where.setdefault(prev, set()).add(where)
+            self._where.setdefault((prev, g), set()).add(where)
         while len(self._key_of) > self._kept:
             self._key_of.popitem(last=False)
 
-    def removed(self, hashes: Sequence[Any], where: Where) -> None:
+    def removed(self, hashes: Sequence[Any], where: Where, group: int | None = None) -> None:
+        g = group or 0
         for h in hashes:
             key = self._key_of.get(h)
-            held = self._where.get(key) if key is not None else None
+            held = self._where.get((key, g)) if key is not None else None
             if held is None:
                 continue
             held.discard(where)
             if not held:
-                del self._where[key]  # type: ignore[arg-type]  # key is set when held is
+                del self._where[(key, g)]  # type: ignore[arg-type]  # key is set when held is
 
     def cleared(self) -> None:
         self._where.clear()
 
     def leading(self, keys: Sequence[BlockKey], accept: Callable[[Where], bool]) -> int:
-        """How many of ``keys``, from the first, are held somewhere ``accept`` takes."""
-        n = 0
-        while n < len(keys) and self.holds(keys[n], accept):
-            n += 1
-        return n
+        """How many of ``keys``, from the first, every group can serve from somewhere
+        ``accept`` takes (:func:`servable`)."""
+        return servable(keys, self.groups, lambda k, g: self.holds(k, accept, g), self.block_size)
 
-    def holds(self, key: BlockKey, accept: Callable[[Where], bool]) -> bool:
-        held = self._where.get(key)
+    def holds(self, key: BlockKey, accept: Callable[[Where], bool], group: int = 0) -> bool:
+        held = self._where.get((key, group))
         return bool(held) and any(accept(w) for w in held)  # type: ignore[union-attr]
+
+
+def servable(
+    keys: Sequence[BlockKey],
+    groups: Mapping[int, GroupKind],
+    held: Callable[[BlockKey, int], bool],
+    block_size: int,
+) -> int:
+    """The deepest ``h <= len(keys)`` at which every group of ``groups`` (none known: one
+    full-attention group 0) holds what a hit of ``h`` blocks needs: vLLM's fixed point
+    for hybrid models, not each group's longest hit."""
+    rules = {g: k.rule() for g, k in groups.items()} or {0: FULL}
+    h = len(keys)
+    for g, rule in rules.items():
+        if rule == FULL:
+            n = 0
+            while n < h and held(keys[n], g):
+                n += 1
+            h = n
+    others = {g: r for g, r in rules.items() if r != FULL}
+    while h > 0:
+        ok = True
+        for g, rule in others.items():
+            if rule == STATE:
+                ok = held(keys[h - 1], g)
+            else:
+                window = groups[g].sliding_window or 1
+                span = -(-(window - 1) // block_size) if block_size else h
+                ok = all(held(keys[j], g) for j in range(max(0, h - span), h))
+            if not ok:
+                break
+        if ok:
+            return h
+        h -= 1
+    return 0
 
 
 class Target(Protocol):
@@ -238,9 +309,21 @@ class PrefixRouter:
             )
 
     def _score(self, target: Target, keys: Sequence[BlockKey]) -> tuple[int, int]:
-        """(local, cached) leading blocks of ``keys`` for ``target``."""
-        local = target.view.leading(keys, lambda w: True) if target.view is not None else 0
-        pool = self.pool
+        """(local, cached) leading blocks of ``keys`` for ``target``: what every KV cache
+        group serves from its own cache, and from its cache and the pool together."""
+        view, pool = target.view, self.pool
+        groups = dict(pool.groups) if pool is not None else {}
+        if view is not None:  # (its engine's events may not name kinds: the pool's do)
+            groups.update({g: k for g, k in view.groups.items() if k.kind or g not in groups})
+        size = (view.block_size if view is not None else 0) or (pool.block_size if pool else 0)
+
+        def anywhere(w: Where) -> bool:
+            return True
+
+        def own(key: BlockKey, g: int) -> bool:
+            return view is not None and view.holds(key, anywhere, g)
+
+        local = servable(keys, groups, own, size) if view is not None else 0
         if pool is None:
             return local, local
 
@@ -250,12 +333,10 @@ class PrefixRouter:
                 return owner is not None and owner.rsplit("@", 1)[-1] == target.host
             return True
 
-        cached = local
-        for key in keys[local:]:
-            if not pool.holds(key, in_pool):
-                break
-            cached += 1
-        return local, cached
+        def either(key: BlockKey, g: int) -> bool:
+            return own(key, g) or pool.holds(key, in_pool, g)
+
+        return local, max(local, servable(keys, groups, either, size))
 
 
 def apply_batch(view: CacheView, batch: Any) -> None:
@@ -271,8 +352,10 @@ def apply_batch(view: CacheView, batch: Any) -> None:
                 ev.block_size,
                 ev.extra_keys,
                 (ev.medium, ev.ownership),
+                ev.group_idx,
+                GroupKind(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window),
             )
         elif isinstance(ev, BlockRemoved):
-            view.removed(ev.block_hashes, (ev.medium, ev.ownership))
+            view.removed(ev.block_hashes, (ev.medium, ev.ownership), ev.group_idx)
         elif isinstance(ev, AllBlocksCleared):
             view.cleared()

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from kvray.index.block_index import DRAM, BlockIndex, space_digests
-from kvray.index.kv_events import CPU, STORAGE, BlockInfo, Described, KVEventsHub
-from kvray.keys import KeySpace, chain_block_hashes
+from kvray.index.kv_events import CPU, STORAGE, BlockInfo, Described, GroupInfo, KVEventsHub
+from kvray.keys import KeySpace, chain_block_hashes, geometry_digest
 from tests.kv_subscriber import Subscriber, ext, vk
 
 SPACE = KeySpace("events-test", "float32-b16-h2x64", tp_size=2)
@@ -209,3 +209,63 @@ def test_the_keys_of_announced_blocks_are_every_columns_key_and_digest(index):
     assert set(keys) == want and len(keys) == 4
     assert digests.tolist() == key_digests(keys).tolist()  # in the same order
     assert cat.keys_in(STORAGE)[1] == []
+
+
+HYBRID = KeySpace(
+    "events-test",
+    "float32-b16-h2x64",
+    tp_size=2,
+    geometries=(geometry_digest("p2x16x64", ["attn"]), geometry_digest("state", ["ssm"])) * 2,
+    kv_groups=2,
+    state_groups=(1,),
+)
+"""A hybrid model's key space: group 0 full attention, group 1 a state group."""
+GROUPS = (GroupInfo("full_attention"), GroupInfo("mamba"))
+
+
+def _columns(space: KeySpace, group: int) -> list[int]:
+    return [c for c in range(space.columns) if space.column(c)[2] == group]
+
+
+def test_each_kv_cache_group_is_announced_on_its_own_with_vllms_group_fields(hub, index):
+    """A hybrid model's blocks: group 0's once every rank stored it, group 1's (a state
+    group) only at the blocks whose state was saved; each event names its group, kind and
+    window as vLLM's own do, so a subscriber with vLLM's types reads them apart."""
+    from kvray.index.kv_events import BlockCatalog
+
+    cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
+    blocks = _blocks(4, seed=3)
+    hashes = [b.block_hash for b in blocks]
+    digs = space_digests(HYBRID, hashes)
+    index.add(digs[_columns(HYBRID, 0)].ravel(), DRAM)  # attention: every block, both ranks
+    index.add(digs[_columns(HYBRID, 1)][:, [1, 3]].ravel(), DRAM)  # states at blocks 1 and 3
+    _, events = cat.describe(Described(HYBRID, TOPIC, 16, tuple(blocks), GROUPS))
+    got = [(e.group, e.group_info.kind, [hashes.index(b.block_hash) for b in e.blocks])
+           for _, e in events]  # fmt: skip
+    assert got == [(0, "full_attention", [0, 1, 2, 3]), (1, "mamba", [1, 3])]
+    snap = cat.snapshot(TOPIC)
+    assert [(e.kind, e.group, len(e.blocks)) for e in snap] == [
+        ("cleared", 0, 0), ("stored", 0, 4), ("stored", 1, 2)]  # fmt: skip
+
+    # A state removed: group 1's block 3 only.
+    gone = digs[_columns(HYBRID, 1)][:, 3]
+    index.remove(gone, DRAM)
+    ((_, ev),) = cat.changed([gone])
+    assert (ev.kind, ev.group, [b.block_hash for b in ev.blocks]) == ("removed", 1, [hashes[3]])
+
+    # On the wire: vLLM's BlockStored / BlockRemoved with group_idx and the spec's kind.
+    sub = Subscriber(hub.publisher.endpoint, None, TOPIC)
+    try:
+        time.sleep(0.3)
+        hub.describe([Described(HYBRID, TOPIC, 16, tuple(blocks), GROUPS)])
+        _, _, batch = sub.recv()
+        stored = [(e.group_idx, e.kv_cache_spec_kind, len(e.block_hashes))
+                  for e in batch.events if isinstance(e, vk.BlockStored)]  # fmt: skip
+        assert stored == [(0, "full_attention", 4), (1, "mamba", 1)]
+        index.remove(digs[_columns(HYBRID, 0)][:, 0], DRAM)
+        hub.changed([digs[_columns(HYBRID, 0)][:, 0]])
+        _, _, batch = sub.recv()
+        (removed,) = batch.events
+        assert isinstance(removed, vk.BlockRemoved) and removed.group_idx == 0
+    finally:
+        sub.close()

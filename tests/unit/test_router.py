@@ -15,6 +15,7 @@ from kvray.proxy.router import (
     POOL_CPU,
     POOL_STORAGE,
     CacheView,
+    GroupKind,
     PrefixRouter,
     block_keys,
 )
@@ -234,3 +235,51 @@ def test_feeds_ask_a_listening_pool_for_what_it_holds_at_once(tmp_path):
     finally:
         feeds.stop()
         mine.shutdown()
+
+
+def test_a_hybrid_prefix_counts_only_as_far_as_every_group_can_serve_it():
+    """vLLM's fixed point over KV cache groups: full attention needs every block before
+    the hit's end, a sliding window (8 tokens: cdiv(7, 4) = 2 blocks) the blocks ending
+    there, a state group the block that ends there. A state only at block 5 with
+    attention up to block 3 is a hit of 0, not 3."""
+    toks = tokens(8)
+    keys = block_keys(toks, BS)
+    full, window, state = GroupKind("full_attention"), GroupKind("sliding_window", 8), GroupKind("mamba")
+    hashes = list(range(8))
+
+    def view_with(parts):
+        v = CacheView("pool")
+        for g, kind, blocks in parts:
+            v.stored(hashes, None, toks, BS, None, (POOL_CPU, "p"), g, kind)  # learn the chain
+            v.removed([h for h in hashes if h not in blocks], (POOL_CPU, "p"), g)
+        return v
+
+    v = view_with([(0, full, range(6)), (1, state, [2, 5])])
+    assert v.leading(keys, lambda w: True) == 6  # attention to 6, the state at block 5
+    v = view_with([(0, full, range(4)), (1, state, [5])])
+    assert v.leading(keys, lambda w: True) == 0
+    v = view_with([(0, full, range(4)), (1, state, [1, 5])])
+    assert v.leading(keys, lambda w: True) == 2
+    # A window of 2 blocks: blocks 4-5 held (0-3 left the engine's window) serve 6.
+    v = view_with([(0, full, range(8)), (1, window, [4, 5])])
+    assert v.leading(keys, lambda w: True) == 6
+
+
+def test_an_engine_views_groups_take_the_pools_kinds_and_the_pool_completes_its_hit():
+    """vLLM's engine events name the group but not its kind: the router takes the pool's
+    word for the same group index. The engine holds attention for 6 blocks and the state
+    at block 2; the pool holds the state at block 5: the instance serves 3 blocks alone,
+    6 with the pool's help."""
+    toks = tokens(6)
+    hashes = list(range(6))
+    engine = CacheView("a")
+    engine.stored(hashes, None, toks, BS, None, ("GPU", None), 0)
+    engine.stored(hashes, None, toks, BS, None, ("GPU", None), 1)
+    engine.removed([h for h in hashes if h != 2], ("GPU", None), 1)
+    pool = CacheView("pool")
+    pool.stored(hashes, None, toks, BS, None, (POOL_CPU, "p"), 0, GroupKind("full_attention"))
+    pool.stored(hashes, None, toks, BS, None, (POOL_CPU, "p"), 1, GroupKind("mamba"))
+    pool.removed([h for h in hashes if h != 5], (POOL_CPU, "p"), 1)
+    router = PrefixRouter([Inst("h", engine)], pool)
+    choice = router.choose(toks)
+    assert (choice.local, choice.cached) == (3, 6)

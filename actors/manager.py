@@ -338,6 +338,9 @@ class PoolManagerActor:
     ) -> list[dict[str, Any]]:
         return self._state.register_fingerprint(keys, fp, engine)
 
+    async def reset_generation(self, keys: str, mine: int) -> int:
+        return self._state.reset_generation(keys, mine)
+
     async def ledger_record(self, changes: Entries) -> None:
         """A BackendClient's blocks stored and removed since its last report."""
         self._state.ledger.record(changes)

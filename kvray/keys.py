@@ -31,6 +31,7 @@ start so that kvray can refuse to run when two ranks would derive different keys
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -188,6 +189,10 @@ class KeySpace:
     tp_replicated: bool = False
     """Every TP rank holds the same bytes (MLA's latent): one copy per block and PP
     stage, under TP rank 0's key, which every TP rank loads."""
+    generation: int = 0
+    """How many times the pool's blocks of this model were reset (vLLM's
+    ``/reset_prefix_cache?reset_external=true``, after a weight update): mixed into every
+    geometry, so that no block stored before a reset answers a key after it."""
 
     def __post_init__(self) -> None:
         slots = self.tp_size * self.pp_size * self.kv_groups
@@ -213,6 +218,11 @@ class KeySpace:
         for g in self.geometries:
             if g and not _GEOMETRY_RE.match(g):
                 raise KeyFormatError(f"KeySpace.geometries: {g!r} is not a geometry_digest")
+        if self.generation < 0 or (self.generation and not self.geometries):
+            raise KeyFormatError(
+                f"KeySpace.generation {self.generation}: 0 or more, and only for keys with "
+                "block geometries (an engine's)"
+            )
         if self.tp_size < 1 or self.pp_size < 1 or self.layer_groups < 1 or self.kv_groups < 1:
             raise KeyFormatError(
                 f"KeySpace sizes must be >= 1, got tp={self.tp_size} pp={self.pp_size} "
@@ -297,7 +307,7 @@ class KeySpace:
                 f"KeySpace has no block geometry for rank {rank} (this process knows the "
                 "geometries of its own ranks only): kvray's bug"
             )
-        return geometry
+        return _of_generation(geometry, self.generation) if self.generation else geometry
 
     @property
     def complete(self) -> bool:
@@ -338,6 +348,12 @@ def block_of_key(key: str) -> str:
     if len(parts) < 5:
         return key
     return f"{parts[0]}{_SEP}{parts[1]}{_SEP}{parts[-1]}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _of_generation(geometry: str, generation: int) -> str:
+    """``geometry`` as the keys of ``generation`` name it: another digest of the same form."""
+    return geometry_digest(f"{geometry}#generation={generation}", ())
 
 
 def _geometry_part(geometry: str) -> str:

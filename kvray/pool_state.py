@@ -39,6 +39,9 @@ class PoolState:
         self.engines: dict[str, dict[str, Any]] = {}
         """Engine (``host:pid`` of its scheduler) -> what it registered at attach, newest
         :data:`ENGINES_KEPT`."""
+        self.generations: dict[str, int] = {}
+        """``namespace@layout`` -> the newest generation an engine reset its blocks to
+        (:meth:`reset_generation`)."""
         self.ledger = Ledger()
         """The blocks the pool's clients stored and removed (what Lookup actors follow to
         name their misses' reasons)."""
@@ -88,6 +91,19 @@ class PoolState:
         entry["instances"] += 1
         entry["last_seen"] = time.time()
         return [dict(v) for d, v in seen.items() if d != fp["hash_domain"]]
+
+    def reset_generation(self, keys: str, mine: int) -> int:
+        """An engine of keys ``keys`` (``namespace@layout``), at generation ``mine``,
+        resets its pool blocks (vLLM's ``reset_cache``, after a weight update): the
+        generation it moves to. A newer one than ``mine`` that another engine of the same
+        keys reset to is joined (engines updated together share again); otherwise a new
+        one is started. Blocks of older generations are never looked up again by the
+        engines that moved, and leave the pool by eviction."""
+        newest = max(self.generations.get(keys, 0), mine)
+        gen = newest if newest > mine else mine + 1
+        self.generations[keys] = gen
+        logger.info("pool %s: engines of %s reset to generation %d", self.pool, keys, gen)
+        return gen
 
     def engine_list(self) -> list[dict[str, Any]]:
         """The engines that attached, oldest first."""

@@ -463,6 +463,10 @@ class ManagerHandle(Handle):
     ) -> Call[list[dict[str, Any]]]:
         return self._call("register_fingerprint", keys, fp, engine)
 
+    def reset_generation(self, keys: str, mine: int) -> Call[int]:
+        """:meth:`kvray.pool_state.PoolState.reset_generation`."""
+        return self._call("reset_generation", keys, mine)
+
     def ledger_record(self, changes: Entries) -> Call[None]:
         return self._call("ledger_record", changes)
 

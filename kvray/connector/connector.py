@@ -192,6 +192,13 @@ class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
         # Sliding-window blocks stay allocated until their saves ended (kvray.connector.pins).
         self.scheduler.bind_block_pool(gpu_block_pool)
 
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_external: this engine's lookups and transfers move to a new
+        # generation of its model's keys (the pool is shared: nothing else is removed).
+        if self._scheduler is None:
+            return None
+        return self.scheduler.reset_cache()
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a save dropped by a preemption is a future miss, never a

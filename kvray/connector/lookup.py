@@ -229,6 +229,13 @@ class Lookups:
     def drop(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
 
+    def drop_all(self) -> None:
+        """Forget every lookup in flight (their requests look up again)."""
+        for pending in self._pending.values():
+            if pending.call is not None:
+                pending.call.cancel()
+        self._pending.clear()
+
     def poll(self, req_id: str, pending: PendingLookup, *, wait: bool) -> Answer | None:
         """The answer of ``pending``, or None: not yet, ask again next step. ``wait``: the
         engine is idle, so wait for it (up to its timeout) instead of spinning empty

@@ -64,6 +64,9 @@ class KVRayMetadata(KVConnectorMetadata):
     """Requests whose blocks were freed: their in-flight saves must drain first."""
     step: int = 0
     """The scheduler's step number, echoed back in the worker's step times."""
+    generation: int = 0
+    """The generation of the instance's keys (:attr:`kvray.keys.KeySpace.generation`):
+    every op of the step is keyed in it."""
 
     def is_empty(self) -> bool:
         return not (

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvray.connector.hash_registration import HashRegistration
     from kvray.connector.instance import InstanceInfo
     from kvray.connector.stats import KVRayConnectorStats
+    from kvray.keys import KeySpace
 
 PARAMS_KEY = "kvray"
 """kvray's entry in vLLM's ``kv_transfer_params`` (next to other connectors' entries)."""
@@ -44,9 +45,14 @@ class PDParams:
         self._stats = stats
         self._warn = warn
         self.wait_s = info.config.pd_wait_ms / 1e3
-        space = info.space
+        self.use_space(info.space)
+
+    def use_space(self, space: KeySpace) -> None:
+        """The instance's keys (again after a reset moved them to a new generation)."""
         self.space_id = [space.namespace, space.layout, space.tp_size, space.pp_size]
         """What a prefill and a decode compare in ``kv_transfer_params`` (JSON-able)."""
+        if space.generation:
+            self.space_id.append(space.generation)
 
     def expected_blocks(self, request: Request) -> int:
         """Leading blocks the request's prefill instance reported in the pool (0: none,

@@ -191,6 +191,11 @@ class KVRegion:
             for p in self.parts
         }
 
+    def use_generation(self, generation: int) -> None:
+        """Key the following transfers in ``generation`` (the scheduler's, after a
+        reset of the pool's blocks: :meth:`KVRayScheduler.reset_cache`)."""
+        self.info = replace(self.info, space=replace(self.info.space, generation=generation))
+
     def use_geometries(self, geometries: Mapping[int, str]) -> None:
         """Key this worker's blocks with their geometries (from :meth:`rank_geometries`)."""
         space = self.info.space

@@ -54,7 +54,7 @@ from kvray.connector.request_state import (
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
-from kvray.errors import ConfigError
+from kvray.errors import ConfigError, KVRayError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
 
@@ -127,6 +127,8 @@ class KVRayScheduler:
         self._placement: Placement | None = None
         """Instance rank -> where its worker loads through (from the workers' handshake;
         None: unknown, lookups ask this node's slot per rank)."""
+        self._manager = pool.manager
+        self._call_timeout_s = pool.config.call_timeout_s
         self._hashes = HashRegistration(pool.manager, info, self._warn_once)
         self._describer: BlockDescriber | None = None
         """The saved blocks' descriptions for the pool's KV events (``kv_events``)."""
@@ -445,10 +447,47 @@ class KVRayScheduler:
         self._lookups.pin([h for op in (*self._loads, *self._async_loads) for h in op.block_hashes])
         self._lookups.report()
         meta = KVRayMetadata(
-            self._loads, self._async_loads, saves, self._delayed, self._preempted, self._step
+            self._loads,
+            self._async_loads,
+            saves,
+            self._delayed,
+            self._preempted,
+            self._step,
+            self.info.space.generation,
         )
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the external cache (``/reset_prefix_cache?reset_external=true``,
+        ``LLM.reset_prefix_cache(reset_connector=True)``, called after a weight update):
+        from now on this engine's keys are those of a newer generation of its model's
+        blocks (:meth:`kvray.pool_state.PoolState.reset_generation`), so no block stored
+        before answers its lookups or loads; blocks its saves in flight store under the
+        old keys are never read. The pool is shared, so other models' blocks, and the
+        blocks of engines of this model that did not reset, stay. False: the pool did not
+        answer (nothing changed)."""
+        space = self.info.space
+        keys = f"{space.namespace}@{space.layout}"
+        try:
+            gen = self._manager.reset_generation(keys, space.generation).result(
+                self._call_timeout_s
+            )
+        except KVRayError as exc:
+            logger.warning("kvray: resetting the pool's blocks of %s failed: %s", keys, exc)
+            return False
+        self.info = replace(self.info, space=replace(space, generation=gen))
+        self._lookups.space = self.info.space
+        self._pd.use_space(self.info.space)
+        self._lookups.drop_all()
+        self._own_saves = OwnSaves(self._own_saves.save_timeout_s, self._own_saves.index_lag_s)
+        logger.info(
+            "kvray: the pool's blocks of %s reset for this engine (generation %d): blocks "
+            "stored before are never loaded again",
+            keys,
+            gen,
+        )
+        return True
 
     def _pin_windows(self, ops: list[BlockOp]) -> list[BlockOp]:
         """``ops``, their sliding-window and state blocks (which vLLM frees mid-request)

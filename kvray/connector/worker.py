@@ -234,6 +234,10 @@ class KVRayWorker:
 
     def bind(self, meta: KVRayMetadata) -> None:
         self._meta = meta
+        region = self._region
+        if region is not None and meta.generation != region.info.space.generation:
+            region.use_generation(meta.generation)  # (every op of this step on is keyed so)
+            self.info = region.info
         self._finishing.update(meta.delayed_frees)
         self._clock.bind(meta.step)
         if self._saves is not None:

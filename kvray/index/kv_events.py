@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -187,11 +187,19 @@ class BlockCatalog:
         if sp is None:
             sp = self._spaces[d.space] = _Space(d.space, d.block_size, d.groups)
         new_topics: list[str] = []
+        events: list[tuple[str, Event]] = []
         owner = self._topics.get(d.topic)
         if owner is None:
             self._topics[d.topic] = sp
             sp.topics.add(d.topic)
             new_topics.append(d.topic)
+        elif owner is not sp and _reset_of(owner.space, d.space):
+            # The engine reset its pool blocks (a new generation of its keys): its topic
+            # starts over, as vLLM's own after a prefix-cache reset.
+            owner.topics.discard(d.topic)
+            self._topics[d.topic] = sp
+            sp.topics.add(d.topic)
+            events.append((d.topic, Event("cleared")))
         elif owner is not sp and d.topic not in self.refused_topics:
             self.refused_topics.add(d.topic)
             logger.warning(
@@ -209,7 +217,7 @@ class BlockCatalog:
         n = len(sp.columns)
         fresh = [b for b in d.blocks if any((b.block_hash, g) not in sp.blocks for g in range(n))]
         if not fresh or not sp.topics:  # (a key space no topic carries: nothing to say)
-            return new_topics, []
+            return new_topics, events
         digs = space_digests(d.space, [b.block_hash for b in fresh])
         made = []
         for i, info in enumerate(fresh):
@@ -222,7 +230,7 @@ class BlockCatalog:
                 for dg in block.digests.tolist():
                     self._by_digest[dg] = block
                 made.append(block)
-        events = self._evaluate(made)
+        events += self._evaluate(made)
         events += self._trim()
         return new_topics, events
 
@@ -326,6 +334,11 @@ class BlockCatalog:
 
 Announced = tuple[BlockInfo, int, GroupInfo, dict[str, str | None]]
 """A block as a snapshot lists it: its description, KV cache group, and media."""
+
+
+def _reset_of(old: KeySpace, new: KeySpace) -> bool:
+    """``new`` is ``old``'s keys after a reset (a newer generation)."""
+    return new.generation > old.generation and replace(old, generation=new.generation) == new
 
 
 def snapshot_events(block_size: int, rows: Sequence[Announced]) -> list[Event]:

@@ -54,8 +54,10 @@ Commands (live):
   "timelines": [...]}``: one request generating one token, alone in the engine;
   ``cached_tokens`` is vLLM's count of prompt tokens it did not compute.
 - ``{"op": "drain"}`` -> ``{}``: step until the connector's saves are done.
-- ``{"op": "reset_prefix_cache"}`` -> ``{"reset": bool}``: vLLM's own prefix cache emptied,
-  so a shared engine's next hit can only come from the pool.
+- ``{"op": "reset_prefix_cache", "external": false}`` -> ``{"reset": bool}``: vLLM's own
+  prefix cache emptied, so a shared engine's next hit can only come from the pool;
+  ``external``: the connector's too (vLLM's ``reset_connector``, what
+  ``/reset_prefix_cache?reset_external=true`` asks).
 - ``{"op": "kv_cache_groups"}`` -> ``{"groups": [spec class names]}``: the KV cache
   groups vLLM's allocator made (a hybrid model's, under its hybrid allocator).
 - ``{"op": "kv_digests"}`` -> ``{"groups": [[digest or null per block]]}``: the KV bytes
@@ -569,7 +571,8 @@ def _engine(spec: dict[str, Any]) -> int:
                 size = config.kv_cache_groups[0].kv_cache_spec.block_size if config else 0
                 reply({"block_size": size})
             elif op == "reset_prefix_cache":
-                reply({"reset": bool(llm.reset_prefix_cache())})
+                external = bool(cmd.get("external", False))
+                reply({"reset": bool(llm.reset_prefix_cache(reset_connector=external))})
             elif op == "quit":
                 reply({})
                 break

@@ -387,3 +387,26 @@ def test_layerwise_without_layer_hooks_recomputes(
     assert (first["hit_pool"], first["saved"]) == (0, 4)
     assert (second["hit_pool"], second["loaded"], second["failed"]) == (4, 0, 4)
     assert "without calling wait_for_layer_load" in eng.log()
+
+
+def test_reset_external_moves_the_engine_past_every_block_stored_before(
+    pool, engines, reference, tiny_model, request
+):
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``/reset_prefix_cache?
+    reset_external=true``, after a weight update): the pool's blocks stored before never
+    answer this engine again (the repeat computes, same tokens, and stores anew), and what
+    it stores after the reset hits. An engine of its own (a reset moves the engine's keys
+    to a new generation: the shared engines keep theirs)."""
+    p1, _, _ = prompt_set(request)
+    eng = engines.get(spec(tiny_model, "shared", model_namespace="tiny-e2e-reset"))
+    eng.generate([p1])
+    pool_hit(eng.generate([p1])["lines"][0], 4)
+    assert eng.call(op="reset_prefix_cache", external=True) == {"reset": True}
+    after = eng.generate([p1])
+    assert after["outputs"] == reference([p1])
+    (line,) = after["lines"]
+    assert (line["hit_pool"], line["loaded"], line["saved"]) == (0, 0, 4), line
+    assert "reset for this engine (generation 1)" in eng.log(), eng.log()[-3000:]
+    again = eng.generate([p1])
+    assert again["outputs"] == reference([p1])
+    pool_hit(again["lines"][0], 4)

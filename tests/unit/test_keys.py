@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -171,6 +172,23 @@ def test_keyspace_geometries_are_checked():
     assert mine.rank_key_strs([b"\1"], 1)[0].startswith(f"m@{LAYOUT}@g{g}@tp1@")
     with pytest.raises(KeyFormatError, match="no block geometry for rank 0"):
         mine.rank_key_strs([b"\1"], 0)
+
+
+def test_a_reset_generation_changes_every_key_of_the_engine_and_only_then():
+    """After a reset (vLLM's reset_external) no key of the engine equals one from before;
+    generation 0 is the keys engines always had; keys without a geometry (the Pool
+    API's) take no generation."""
+    h = [hash_block(None, [1, 2, 3]), hash_block(None, [4, 5])]
+    ga, gb = geometry_digest("p4x256x64", ["l0"]), geometry_digest("p4x256x64", ["l1"])
+    space = KeySpace("m", LAYOUT, tp_size=2, geometries=(ga, gb))
+    assert replace(space, generation=0).lookup_key_strs(h) == space.lookup_key_strs(h)
+    gens = [set(replace(space, generation=g).lookup_key_strs(h)) for g in range(3)]
+    assert all(len(k) == 4 for k in gens)
+    assert not gens[0] & gens[1] and not gens[1] & gens[2] and not gens[0] & gens[2]
+    key = replace(space, generation=1).key(h[0], tp_rank=1)
+    assert BlockKey.from_str(key.to_str()) == key  # the same key format
+    with pytest.raises(KeyFormatError, match="generation"):
+        KeySpace("m", LAYOUT, generation=1)
 
 
 def test_each_kv_cache_group_of_a_hybrid_model_has_keys_of_its_own():

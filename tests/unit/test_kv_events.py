@@ -269,3 +269,28 @@ def test_each_kv_cache_group_is_announced_on_its_own_with_vllms_group_fields(hub
         assert isinstance(removed, vk.BlockRemoved) and removed.group_idx == 0
     finally:
         sub.close()
+
+
+def test_an_engine_that_reset_its_blocks_starts_its_topic_over(index):
+    """A reset moves the engine's keys to a new generation: its topic gets
+    ``AllBlocksCleared`` and from then on the new generation's blocks, where another key
+    space on the topic would be refused."""
+    from dataclasses import replace
+
+    from kvray.index.kv_events import BlockCatalog
+
+    geo = (geometry_digest("p2x16x64", ["a"]), geometry_digest("p2x16x64", ["b"]))
+    old = KeySpace("events-test", "float32-b16-h2x64", tp_size=2, geometries=geo)
+    new = replace(old, generation=1)
+    cat = BlockCatalog(index, "pool-a", lambda bit: "n1", max_blocks=100)
+    blocks = _blocks(2, seed=7)
+    index.add(space_digests(old, [b.block_hash for b in blocks]).ravel(), DRAM)
+    cat.describe(Described(old, TOPIC, 16, tuple(blocks)))
+    assert len(cat.snapshot(TOPIC)) == 2  # cleared, the 2 blocks
+    index.add(space_digests(new, [blocks[0].block_hash]).ravel(), DRAM)
+    topics, events = cat.describe(Described(new, TOPIC, 16, tuple(blocks[:1])))
+    assert topics == [] and not cat.refused_topics
+    assert [(e.kind, len(e.blocks)) for _, e in events] == [("cleared", 0), ("stored", 1)]
+    assert [b.block_hash for e in cat.snapshot(TOPIC)[1:] for b in e.blocks] == [
+        blocks[0].block_hash
+    ]

@@ -53,3 +53,16 @@ def test_fingerprints_answer_the_other_hash_domains_and_mark_mixed_keys():
     seq, entries, full, mixed = state.ledger_since(0)
     assert (len(entries), mixed) == (2, ["m@l"]) and seq > 0
     assert state.ledger_since(seq)[1] == []
+
+
+def test_a_reset_joins_the_newest_generation_of_its_keys_or_starts_one():
+    """Engines of one model reset after a weight update: the first starts generation 1,
+    the others join it (they share again); a reset from the newest starts the next one;
+    other keys are untouched."""
+    state = PoolState("p")
+    assert state.reset_generation("m@lay", 0) == 1
+    assert state.reset_generation("m@lay", 0) == 1  # another engine of the model joins
+    assert state.reset_generation("m@lay", 1) == 2  # the next update
+    assert state.reset_generation("m@lay", 0) == 2
+    assert state.reset_generation("other@lay", 0) == 1
+    assert state.reset_generation("m@lay", 5) == 6  # (a manager restarted forgot them)

@@ -244,7 +244,11 @@ def test_a_hybrid_prefix_counts_only_as_far_as_every_group_can_serve_it():
     attention up to block 3 is a hit of 0, not 3."""
     toks = tokens(8)
     keys = block_keys(toks, BS)
-    full, window, state = GroupKind("full_attention"), GroupKind("sliding_window", 8), GroupKind("mamba")
+    full, window, state = (
+        GroupKind("full_attention"),
+        GroupKind("sliding_window", 8),
+        GroupKind("mamba"),
+    )
     hashes = list(range(8))
 
     def view_with(parts):

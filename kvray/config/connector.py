@@ -101,9 +101,12 @@ class ConnectorConfig(_Strict):
     as the group's last layer has run (``save_kv_layer``). Each block is then stored as
     ``layerwise_groups`` keys per rank: engines share blocks only with engines using the
     same setting."""
-    layerwise_groups: int = Field(4, ge=2, le=1024)
+    layerwise_groups: int = Field(4, ge=1, le=1024)
     """With ``use_layerwise``: layer groups per rank (at most the layers each rank holds;
-    set it to the layer count for one group per layer). More groups overlap more of a
+    set it to the layer count for one group per layer); a hybrid model's: per KV cache
+    group (at most its layers; 1: each group's blocks sent as its layers completed, the
+    same keys as without layer-wise transfers). 1 is refused for a model of one group
+    (nothing to split). More groups overlap more of a
     load with compute but multiply the keys a lookup asks for and the Ray calls per
     step."""
 

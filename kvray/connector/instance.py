@@ -91,6 +91,11 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     groups = kv_groups(kv_cache_config)
     if len(groups) > 1:
         cfg = _for_groups(cfg, len(groups))
+    elif cfg.use_layerwise and cfg.layerwise_groups == 1:
+        raise ConfigError(
+            "layerwise_groups is 1: a model of one KV cache group is then sent whole, not "
+            "layer by layer; set layerwise_groups to 2 or more (or use_layerwise to false)"
+        )
     attention = [g for g in groups if g.positional]
     if not attention:
         raise ConfigError(
@@ -152,13 +157,9 @@ def _latent_only(kv_cache_config: KVCacheConfig) -> bool:
 def _for_groups(cfg: ConnectorConfig, n: int) -> ConnectorConfig:
     """The connector config for a model of ``n`` > 1 KV cache groups: loads are
     asynchronous (vLLM takes a failed load of such a model only per request, as a failed
-    async receive), refused where set otherwise; transfers that split a block by layers
-    are refused."""
-    if cfg.use_layerwise:
-        raise ConfigError(
-            f"use_layerwise: this model has {n} KV cache groups (hybrid attention); layer-wise "
-            "transfers are for models of one group: set use_layerwise to false"
-        )
+    async receive), refused where set otherwise (``use_layerwise`` then applies to the
+    attention groups' saves: :meth:`KVRegion.use_kv_groups`); blocks split by a PP
+    prefill's stages are refused."""
     if cfg.prefill_pp_size > 1:
         raise ConfigError(
             f"prefill_pp_size: this model has {n} KV cache groups (hybrid attention); blocks "

@@ -16,15 +16,22 @@ group-major, so each group's are one run) under that group's keys.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvray.backends.base import KeyStatus
 from kvray.connector.kv_geometry import check_uniform, geometry_tag, layer_geometry
-from kvray.connector.pp import Part, group_parts, split_columns, stage_parts
+from kvray.connector.pp import (
+    Part,
+    even_partition,
+    group_parts,
+    split_columns,
+    stage_parts,
+    stage_ranges,
+)
 from kvray.connector.staging import Stager
 from kvray.errors import ConfigError
 from kvray.keys import geometry_digest, group_geometry_digest
@@ -39,6 +46,17 @@ if TYPE_CHECKING:
     from kvray.shm import RegionSpec, SharedRegion
 
 logger = logging.getLogger(__name__)
+
+
+class PartWork(NamedTuple):
+    """One part's share of a step's layer-wise saves."""
+
+    batch: TransferBatch
+    ops: list[BlockOp]
+    block_ids: list[int]
+    """Its blocks (of its KV cache group), in the order of its staging slots."""
+    first: int | None
+    """The staging slot of its first block (None: shared placement)."""
 
 
 def all_ok(per_batch: list[list[KeyStatus]]) -> list[KeyStatus]:
@@ -81,6 +99,8 @@ class KVRegion:
         self.kv_cols: list[tuple[int, int]] = []
         """Hybrid models (several KV cache groups): each group's layers ``[lo, hi)``,
         group-major; empty: one group of every layer."""
+        self.part_kv: list[int] = []
+        """A hybrid model's layer-wise parts: the KV cache group of each part."""
 
     # ---- registration --------------------------------------------------------------------
 
@@ -212,7 +232,7 @@ class KVRegion:
             logger.info("KVRayConnector: blocks split by prefill PP partition %s", partition)
             return
         groups = space.layer_groups
-        if groups == 1:
+        if groups == 1 or len(self.info.groups) > 1:  # (a hybrid model's: use_kv_groups)
             return
         if groups > self.num_layers:
             raise ConfigError(
@@ -247,9 +267,9 @@ class KVRegion:
         """A hybrid model's blocks: each op moves one KV cache group's."""
         return bool(self.kv_cols)
 
-    def use_kv_groups(self, layers_per_group: list[int]) -> None:
+    def use_kv_groups(self, layers_per_group: list[int], layer_names: Sequence[str] = ()) -> None:
         """The KV cache groups' layer counts, in the (group-major) order the layers were
-        registered in."""
+        registered in (``layer_names``: that order, for layer-wise saves)."""
         if len(layers_per_group) < 2:
             return
         if sum(layers_per_group) != self.num_layers:
@@ -259,6 +279,67 @@ class KVRegion:
             )
         bounds = np.concatenate([[0], np.cumsum(layers_per_group)]).astype(int).tolist()
         self.kv_cols = list(zip(bounds[:-1], bounds[1:], strict=True))
+        if self.info.config.use_layerwise:
+            self._layer_parts_of_groups(layers_per_group, list(layer_names))
+
+    def _layer_parts_of_groups(self, layers_per_group: list[int], names: list[str]) -> None:
+        """Layer-wise saves of a hybrid model: each KV cache group's layers in
+        ``layer_groups`` parts of their own (keys ``lg<j>of<L>`` of that group), sent as
+        the forward completes them. Mamba and linear-attention layers call no per-layer
+        hook, so a state group's parts go at the step's end, with what the hooks did not
+        send."""
+        groups = self.info.space.layer_groups
+        fewest = min(layers_per_group)
+        if groups > fewest:
+            raise ConfigError(
+                f"layerwise_groups is {groups} but a KV cache group of this worker holds "
+                f"{fewest} layers: set layerwise_groups to {fewest} or less"
+            )
+        planes = self._planes()
+        for g, (lo, hi) in enumerate(self.kv_cols):
+            for j, (a, b) in enumerate(stage_ranges(even_partition(hi - lo, groups))):
+                self.parts.append(Part(self.rank, j, (lo + a) * planes, (lo + b) * planes))
+                self.part_kv.append(g)
+        self.group_len = [(p.hi - p.lo) // planes for p in self.parts]
+        self.group_of = {
+            name: i
+            for i, p in enumerate(self.parts)
+            for name in names[p.lo // planes : p.hi // planes]
+        }
+        logger.info(
+            "KVRayConnector: layer-wise saves of %d KV cache groups, %d layer groups each "
+            "(the state groups' at the step's end: their layers call no per-layer hook; "
+            "loads of a hybrid model are whole blocks, asynchronous)",
+            len(self.kv_cols),
+            groups,
+        )
+
+    @property
+    def batches_per_run(self) -> int:
+        """Batches :meth:`batches` makes per run of one KV cache group's ops (one per
+        part of the group); the first of them counts the run's blocks."""
+        if self.kv_cols:
+            return self.info.space.layer_groups if self.parts else 1
+        return max(1, len(self.parts))
+
+    def layer_parts(self, ops: list[BlockOp], first_slot: int | None) -> dict[int, PartWork]:
+        """Per part (layer group, of a KV cache group for a hybrid model) that ``ops``
+        have blocks of: its batch, ops, block ids and first staging slot (layer-wise
+        saves)."""
+        if not self.kv_cols:
+            ids = [b for op in ops for b in op.block_ids]
+            batches = self.batches(ops, first_slot)
+            return {p: PartWork(b, ops, ids, first_slot) for p, b in enumerate(batches)}
+        out: dict[int, PartWork] = {}
+        pos = 0
+        for g, _, _, run in self._runs(ops):
+            ids = [b for op in run for b in op.block_ids]
+            first = None if first_slot is None else first_slot + pos
+            for p in (i for i, kv in enumerate(self.part_kv) if kv == g):
+                batch = self._run_batch(g, run, first, self.parts[p])
+                out[p] = PartWork(batch, run, ids, first)
+            pos += len(ids)
+        return out
 
     def row_bytes_of(self, group: int) -> int:
         """Bytes of one block of KV cache group ``group`` (what its key holds)."""
@@ -303,24 +384,34 @@ class KVRegion:
         out = []
         pos = 0
         for g, lo, hi, run in self._runs(ops):
-            hashes = [h for op in run for h in op.block_hashes]
-            n = len(hashes)
-            if first_slot is None:
-                assert self._layer_offsets is not None
-                ids = np.array([b for op in run for b in op.block_ids], dtype=np.int64)
-                offsets = self._layer_offsets[None, lo:hi] + ids[:, None] * self._block_stride
-                assert self._layer_bytes is not None
-                lengths = np.broadcast_to(self._layer_bytes[lo:hi], offsets.shape).copy()
+            n = sum(len(op.block_ids) for op in run)
+            first = None if first_slot is None else first_slot + pos
+            if self.parts:  # layer-wise: one batch per layer group of the KV cache group
+                parts = [self.parts[i] for i, kv in enumerate(self.part_kv) if kv == g]
             else:
-                assert self.stager is not None
-                offsets, lengths = self.stager.offsets(first_slot + pos, n)
-                planes = self._planes()
-                offsets = offsets[:, lo * planes : hi * planes]
-                lengths = lengths[:, lo * planes : hi * planes]
-            keys = tuple(self.info.space.rank_key_strs(hashes, self.rank, kv_group=g))
-            out.append(TransferBatch(self.spec, keys, offsets, lengths))
+                parts = [Part(self.rank, 0, lo * self._planes(), hi * self._planes())]
+            out += [self._run_batch(g, run, first, p) for p in parts]
             pos += n
         return out
+
+    def _run_batch(
+        self, g: int, run: list[BlockOp], first: int | None, part: Part
+    ) -> TransferBatch:
+        """One KV cache group's ``run`` of ops through ``part``'s columns (layers, times
+        planes when staged), keyed by its layer group."""
+        hashes = [h for op in run for h in op.block_hashes]
+        if first is None:
+            assert self._layer_offsets is not None and self._layer_bytes is not None
+            lo, hi = part.lo, part.hi  # (shared: one column per layer)
+            ids = np.array([b for op in run for b in op.block_ids], dtype=np.int64)
+            offsets = self._layer_offsets[None, lo:hi] + ids[:, None] * self._block_stride
+            lengths = np.broadcast_to(self._layer_bytes[lo:hi], offsets.shape).copy()
+        else:
+            assert self.stager is not None
+            offsets, lengths = self.stager.offsets(first, len(hashes))
+            offsets, lengths = offsets[:, part.lo : part.hi], lengths[:, part.lo : part.hi]
+        keys = self.info.space.rank_key_strs(hashes, self.rank, part.group, kv_group=g)
+        return TransferBatch(self.spec, tuple(keys), offsets, lengths)
 
     def _runs(self, ops: list[BlockOp]) -> Iterator[tuple[int, int, int, list[BlockOp]]]:
         """(group, its first layer, its end layer, the group's ops) per run of one KV
@@ -369,7 +460,9 @@ class KVRegion:
         """Per block of the ops :meth:`batches` was given, from its batches' statuses: a
         block loaded only if every key of it did."""
         if self.kv_cols:
-            return [s for statuses in per_batch for s in statuses]
+            k = self.batches_per_run  # (a run's parts: a block loaded if all of them did)
+            runs = [per_batch[i : i + k] for i in range(0, len(per_batch), k)]
+            return [s for run in runs for s in (all_ok(run) if k > 1 else run[0])]
         return all_ok(per_batch)
 
     def chunks(self, ops: list[BlockOp]) -> Iterator[list[BlockOp]]:

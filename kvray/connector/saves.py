@@ -29,7 +29,7 @@ from kvray.warn_once import WarnOnce
 if TYPE_CHECKING:
     from kvray.connector.calls import Transfers, Waits
     from kvray.connector.metadata import BlockOp
-    from kvray.connector.region import KVRegion
+    from kvray.connector.region import KVRegion, PartWork
     from kvray.connector.slots import StagingSlots
     from kvray.connector.stats import KVRayConnectorStats
     from kvray.remote import Call
@@ -45,13 +45,15 @@ class _LayerwiseSave:
     ops: list[BlockOp]
     block_ids: list[int]
     first: int | None
-    batches: list[TransferBatch]
-    seen: list[set[str]]
-    """Layers of each group that ran."""
+    work: dict[int, PartWork]
+    """Part (layer group) -> its batch and blocks; a hybrid model's step may have blocks
+    of some KV cache groups only."""
+    seen: dict[int, set[str]]
+    """Layers of each part that ran."""
     gathered: dict[int, Any] = field(default_factory=dict)
-    """Group -> gather event (staged on a device) of groups gathered, not yet sent."""
+    """Part -> gather event (staged on a device) of parts gathered, not yet sent."""
     calls: dict[int, Call[list[KeyStatus]]] = field(default_factory=dict)
-    """Group -> its put."""
+    """Part -> its put."""
 
     @property
     def n(self) -> int:
@@ -147,10 +149,10 @@ class Saver:
                 except BaseException:
                     stager.release(first, len(block_ids))
                     raise
-            # (a hybrid model's batches are each one KV cache group's blocks: all count)
-            grouped = self._region.kv_grouped
+            # (a block counts once: by the first part of its KV cache group's run)
+            per_run = self._region.batches_per_run
             calls = [
-                self._send(chunk, batch, counts_blocks=part == 0 or grouped)
+                self._send(chunk, batch, counts_blocks=part % per_run == 0)
                 for part, batch in enumerate(self._region.batches(chunk, first))
             ]
             if first is not None:
@@ -214,6 +216,8 @@ class Saver:
             save = self._start_layerwise(self._step)
             if save is None:
                 return
+        if g not in save.work:  # (a KV cache group this step saves nothing of)
+            return
         save.seen[g].add(layer_name)
         if len(save.seen[g]) == self._region.group_len[g] and g not in save.calls:
             self._gather_group(save, g)
@@ -230,21 +234,24 @@ class Saver:
                 # The step's saves failed: neither later layers nor save_step retry.
                 self._step = []
                 return None
-        batches = self._region.batches(ops, first)
-        groups = [set[str]() for _ in self._region.parts]
-        self._lw = _LayerwiseSave(ops, block_ids, first, batches, groups)
+        if self._region.kv_grouped:
+            ops = sorted(ops, key=lambda op: op.group)  # (staging slots in group order)
+            block_ids = [b for op in ops for b in op.block_ids]
+        work = self._region.layer_parts(ops, first)
+        self._lw = _LayerwiseSave(ops, block_ids, first, work, {p: set() for p in work})
         return self._lw
 
     def _gather_group(self, save: _LayerwiseSave, g: int) -> None:
         """Queue the copy of group ``g``'s layers into staging (after the compute queued
         so far: its layers); shared placement: nothing to copy."""
-        if save.first is None:
+        w = save.work[g]
+        if w.first is None:
             save.gathered[g] = None
             return
         stager = self._region.stager
         assert stager is not None
         part = self._region.parts[g]
-        save.gathered[g] = stager.gather(save.block_ids, save.first, (part.lo, part.hi), wait=False)
+        save.gathered[g] = stager.gather(w.block_ids, w.first, (part.lo, part.hi), wait=False)
 
     def _send_gathered(self, save: _LayerwiseSave, *, block: bool) -> None:
         """Send the put of every gathered group whose copy completed (``block``: all)."""
@@ -254,7 +261,9 @@ class Saver:
             if ev is not None:
                 ev.synchronize()
             del save.gathered[g]
-            save.calls[g] = self._send(save.ops, save.batches[g], counts_blocks=g == 0)
+            w = save.work[g]
+            counts = self._region.parts[g].group == 0  # (each block once: its first part)
+            save.calls[g] = self._send(w.ops, w.batch, counts_blocks=counts)
 
     def end_layerwise(self) -> None:
         """End of the forward: gather and send what the per-layer hooks did not, then
@@ -263,7 +272,7 @@ class Saver:
         if save is None:
             return
         self._lw = None
-        for g in range(len(self._region.parts)):
+        for g in save.work:
             if g not in save.calls and g not in save.gathered:
                 self._gather_group(save, g)
         self._send_gathered(save, block=True)

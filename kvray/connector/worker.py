@@ -150,7 +150,7 @@ class KVRayWorker:
             region = self._region = KVRegion.staged(self.info, self.rank, kv_caches, prefix)
             placement = "staged"
         region.split_blocks(list(kv_caches), tp_rank)
-        region.use_kv_groups([len(g.layer_names) for g in self.info.groups])
+        region.use_kv_groups([len(g.layer_names) for g in self.info.groups], list(kv_caches))
         # The block geometry is in every key (kvray.keys): an engine whose bytes are
         # shaped otherwise (attention backend, platform, PP partition) never shares keys
         # with this one, whatever the pool remembers or forgot. The scheduler learns it

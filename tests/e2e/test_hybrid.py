@@ -222,3 +222,27 @@ def test_pd_roles_with_a_hybrid_model(pool, engines, gemma_reference, tiny_gemma
     (line,) = out["lines"]
     pool_hit(line, 3)
     assert line["saved"] == 0
+
+
+def test_layerwise_saves_of_a_hybrid_model_load_in_an_engine_without(
+    pool, engines, gemma_reference, tiny_gemma3, request
+):
+    """``use_layerwise`` on the tiny Gemma 3 (staged: the device path's per-layer copies):
+    each KV cache group's blocks are sent as its layer's hook completes; the keys are
+    those of an engine without layer-wise transfers (one layer group per KV cache group),
+    which loads them: same tokens, every block from the pool."""
+    p = own_prompts(request, 3 * BLOCK + 20, salt="layerwise")
+    (want,) = gemma_reference([p])
+    base = spec(tiny_gemma3, "staged")
+    conn = _connector(
+        kv_placement="staged", model_namespace=NAMESPACE, use_layerwise=True, layerwise_groups=1
+    )
+    layerwise = engines.get({**base, "connector": {**conn, "policy": "recompute"}})
+    out = layerwise.generate([p], max_tokens=16)
+    assert out["outputs"] == [want]
+    (line,) = out["lines"]
+    assert (line["hit_pool"], line["saved"]) == (0, 3), line
+    assert "layer-wise saves of 4 KV cache groups, 1 layer groups each" in layerwise.log()
+    out = engines.get(spec(tiny_gemma3, "shared")).generate([p], max_tokens=16)
+    assert out["outputs"] == [want]
+    pool_hit(out["lines"][0], 3)

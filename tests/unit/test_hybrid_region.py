@@ -282,3 +282,52 @@ def test_interleaved_ops_are_one_batch_per_run_of_one_group(shared):
     assert [b.keys for b in batches] == [
         tuple(space.rank_key_strs(op.block_hashes, 0, kv_group=op.group)) for op in OPS
     ]
+
+
+# ---- layer-wise ------------------------------------------------------------------------
+
+
+def test_layerwise_splits_each_groups_layers_and_a_block_loads_only_if_all_its_parts_did():
+    """``use_layerwise`` on a hybrid model: each KV cache group's layers in
+    ``layerwise_groups`` parts of their own (one key each, ``lg<j>of<L>`` of that
+    group), the parts sent as their layers' hooks complete; a block loaded only if every
+    part of its group's key did."""
+    cfg = validate(
+        ConnectorConfig,
+        {"kv_placement": "shared", "model_namespace": "unit", "load_async": True,
+         "use_layerwise": True, "layerwise_groups": 2},
+        source="test",
+    )  # fmt: skip
+    base = _info("shared")
+    space = KeySpace(
+        "unit", KVLayout("float32", BS, H, D).tag(), 1, 1, 2, kv_groups=2, state_groups=(1,)
+    )
+    info = InstanceInfo(cfg, space, BS, "kv_both", num_blocks=NB, max_step_blocks=4,
+                        groups=base.groups)  # fmt: skip
+    shm = SharedRegion.create("kvray-test-hybrid-lw", PAIRS * NB * PAGE)
+    try:
+        caches = _views(torch.from_numpy(shm.array))
+        region = KVRegion.shared(info, 0, shm, caches)
+        region.split_blocks(NAMES, 0)  # (a hybrid model's parts come from its groups)
+        region.use_kv_groups([PAIRS, PAIRS], NAMES)
+        region.use_geometries(region.rank_geometries(caches))
+        assert [(p.group, p.lo, p.hi) for p in region.parts] == [
+            (0, 0, 1), (1, 1, 2), (0, 2, 3), (1, 3, 4)]  # fmt: skip
+        assert region.part_kv == [0, 0, 1, 1] and region.batches_per_run == 2
+        assert region.group_of == {n: i for i, n in enumerate(NAMES)}
+        (chunk,) = region.chunks(OPS)
+        batches = region.batches(chunk)
+        assert len(batches) == 4
+        sp = region.info.space
+        h0 = [h for op in chunk if op.group == 0 for h in op.block_hashes]
+        assert batches[1].keys == tuple(sp.rank_key_strs(h0, 0, 1, kv_group=0))
+        assert "@lg1of2@" in batches[1].keys[0]
+        assert batches[1].offsets.shape == (3, 1)  # 3 blocks of group 0, its 2nd layer
+        work = region.layer_parts(chunk, None)
+        assert sorted(work) == [0, 1, 2, 3]
+        assert work[3].block_ids == [3] and work[0].block_ids == [2, 5, 1]
+        ok, gone = KeyStatus.OK, KeyStatus.NOT_FOUND
+        per_batch = [[ok, ok, ok], [ok, gone, ok], [ok], [gone]]
+        assert region.combine(per_batch) == [ok, gone, ok, gone]
+    finally:
+        shm.close()

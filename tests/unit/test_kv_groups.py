@@ -206,7 +206,6 @@ def test_a_model_of_only_states_is_refused():
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"use_layerwise": True}, "use_layerwise"),
         ({"prefill_pp_size": 2}, "prefill_pp_size"),
         ({"load_async": False}, "load_async"),
     ],
@@ -216,6 +215,17 @@ def test_settings_a_hybrid_model_cannot_run_are_refused_naming_the_key(extra, ke
         instance_info(_vllm_config(**extra), _config(_full(), _sliding(64)))
     assert str(err.value).startswith(key), str(err.value)
     assert "2 KV cache groups" in str(err.value)
+
+
+def test_layerwise_is_taken_for_a_hybrid_model_and_one_layer_group_only_for_one():
+    """A hybrid model's layer-wise saves split each KV cache group (1: each group whole);
+    a model of one group with ``layerwise_groups`` 1 is refused: nothing to split."""
+    info = instance_info(
+        _vllm_config(use_layerwise=True, layerwise_groups=1), _config(_full(), _sliding(64))
+    )
+    assert info.config.use_layerwise and info.space.layer_groups == 1
+    with pytest.raises(ConfigError, match="^layerwise_groups is 1"):
+        instance_info(_vllm_config(use_layerwise=True, layerwise_groups=1), _config(_full()))
 
 
 def test_for_groups_turns_an_absent_load_async_on_and_keeps_an_explicit_true():

@@ -55,13 +55,26 @@ class Engine(LiveEngine):
             self.call(op="drain")
         self.pause()
 
-    def turn(self, seed: list[int] | None, probe: list[int]) -> dict[str, Any]:
+    def turn(
+        self,
+        seed: list[int] | None,
+        probe: list[int],
+        *,
+        back_to_back: bool = False,
+        reset_own: bool = False,
+    ) -> dict[str, Any]:
         """One rep: resumed, ``seed`` computes (and stores) the prefix, its saves drain,
         ``probe`` (same prefix) is timed, its saves drain, paused again. Without ``seed``
-        (nothing to seed) only ``probe`` runs."""
+        (nothing to seed) only ``probe`` runs. ``back_to_back``: the probe is sent as soon
+        as the seed's response returned, its saves still in flight, as users send
+        requests. ``reset_own``: vLLM's own prefix cache is emptied before the probe (an
+        engine that runs with it on for the connector's sake)."""
         if seed is not None:
             self.call(op="ttft", prompt=seed)
-            self.call(op="drain")
+            if not back_to_back:
+                self.call(op="drain")
+        if reset_own:
+            self.call(op="reset_prefix_cache")
         answer = self.call(op="ttft", prompt=probe)
         self.call(op="drain")  # nothing in flight while paused
         self.pause()
@@ -78,6 +91,13 @@ def workload_args(parser: argparse.ArgumentParser, lengths: str, rates: str) -> 
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="send each probe as soon as its seed returned (the seed's saves in flight, as "
+        "users send requests), every configuration seeding, misses too (an unrelated seed); "
+        "default: the seed's saves drain first",
+    )
 
 
 def workload(
@@ -100,10 +120,10 @@ def chosen(parser: argparse.ArgumentParser, names: list[str], known: tuple[str, 
         parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(known)}")
 
 
-FAMILIES = ("llama", "gemma3")
+FAMILIES = ("llama", "gemma3", "qwen3_next")
 """Model families of the engine benchmarks (``--family``): the bench model (full
-attention) and a sliding-window hybrid (four KV cache groups under vLLM's hybrid
-allocator)."""
+attention), a sliding-window hybrid (four KV cache groups under vLLM's hybrid allocator)
+and a Gated DeltaNet hybrid (three state groups and one full-attention group, bfloat16)."""
 
 
 def bench_model(model_dir: str, family: str = "llama") -> str:
@@ -114,6 +134,7 @@ def bench_model(model_dir: str, family: str = "llama") -> str:
     build = {
         "llama": tiny_model.build_prefill_bound_llama,
         "gemma3": tiny_model.build_prefill_bound_gemma3,
+        "qwen3_next": tiny_model.build_prefill_bound_qwen3_next,
     }[family]
     path = model_dir if family == "llama" else os.path.join(model_dir, family)
     log(f"== building the {family} model in {path}")

@@ -96,7 +96,7 @@ def main() -> int:
         schedule = interleaved(configs, lengths, rates, args.reps, BLOCK)
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
-                ttft = engines[name].turn(seed, probe)["ttft_s"]
+                ttft = engines[name].turn(seed, probe, back_to_back=args.back_to_back)["ttft_s"]
                 reps.setdefault((name, length, rate), []).append(ttft)
                 measured[name] += 1
             last = "  ".join(f"{n} {reps[(n, length, rate)][-1] * 1e3:7.1f}" for n in configs)

@@ -1,6 +1,8 @@
 """Where a pool hit's time to first token goes: kvray's per-request timeline next to
 vLLM's local prefix cache (the ideal: the prefix is resident, nothing to move) for the
-same prompts.
+same prompts. At a 0 % hit rate, a miss's: the seed is an unrelated prompt (stored), and
+``--back-to-back`` sends the probe while the seed's saves are still in flight, as users
+send requests.
 
 Each configuration is a live engine (``scripts/_engines.py``); reps are interleaved and
 engines not in turn are paused. For every (input length, hit rate, rep) each engine
@@ -106,7 +108,7 @@ def main() -> int:
         help="lookups as calls to the node's Lookup actor (lookup_index: false)",
     )
     args = parse(parser, SMOKE)
-    lengths, rates = workload(parser, args)
+    lengths, rates = workload(parser, args, misses=True)
     if args.lookup_index and args.actor_lookups:
         parser.error("--lookup-index and --actor-lookups exclude each other")
 
@@ -140,14 +142,15 @@ def main() -> int:
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
             got = samples.setdefault((length, rate), {"local": [], "kvray": []})
             for name in order:
-                ans = engines[name].turn(seed, probe)
+                ans = engines[name].turn(seed, probe, back_to_back=args.back_to_back)
                 ttft_ms = ans["ttft_s"] * 1e3
                 if name == "local":
                     got["local"].append(ttft_ms)
                     continue
                 (tl,) = ans["timelines"]
-                if tl["loaded"] == 0 or tl["first_token_ms"] is None:
-                    raise RuntimeError(f"the timed request did not load a hit: {tl}")
+                if tl["first_token_ms"] is None or (rate > 0) != (tl["loaded"] > 0):
+                    want = "load a hit" if rate > 0 else "miss"
+                    raise RuntimeError(f"the timed request did not {want}: {tl}")
                 got["kvray"].append({"ttft_ms": ttft_ms, "timeline": tl})
             log(
                 f"   [{done}/{total}] input {length} hit {rate:.0%} rep {rep}: "
@@ -191,6 +194,14 @@ def main() -> int:
         reps=args.reps,
         placement=args.placement,
         lookup_index=not args.actor_lookups,
+        **(
+            {
+                "probe": "back to back: sent as soon as its seed returned (a miss's seed: "
+                "an unrelated prompt, stored)"
+            }
+            if args.back_to_back
+            else {}
+        ),
         order="interleaved, alternating per rep; engine not in turn paused (SIGSTOP)",
     )
     write_json(args.json, {"meta": meta, "rows": rows})

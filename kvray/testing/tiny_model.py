@@ -391,6 +391,26 @@ def build_prefill_bound_gemma3(path: str | Path) -> Path:
     )
 
 
+def build_prefill_bound_qwen3_next(path: str | Path) -> Path:
+    """The linear-attention family's benchmark model: :func:`build_prefill_bound_llama`'s
+    hidden size and depth, three of four layers Gated DeltaNet (state groups beside one
+    full-attention group), a small mixture of experts; bfloat16."""
+    return build_tiny_qwen3_next(
+        path,
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=704,
+        max_positions=8192,
+    )
+
+
 def build_prefill_bound_llama(path: str | Path) -> Path:
     """The model of the vLLM demo and the TTFT benchmark: big enough that prefill
     dominates TTFT on a CPU, small enough to build in seconds."""

@@ -30,7 +30,7 @@ class SsdOffloadActor:
         normal_priority("SSD offload actor")
         config = PoolConfig.model_validate_json(config_json)
         assert config.ssd is not None, "launcher starts SSD actors only with an ssd section"
-        self._tier = SsdBackend(config.ssd, rank)
+        self._tier = SsdBackend(config.ssd, rank, save_niceness=config.save_niceness)
         self._store = RankStore(self._tier, rank)
         self._name = config.name
         self._exporter: asyncio.Task[None] | None = None

@@ -22,6 +22,7 @@ LABELS = {
     "raycall": "kvray, Ray calls",
     "actor": "kvray, Lookup actor",
     "hmaoff": "kvray, hybrid allocator off",
+    "nice10": "kvray, saves at niceness 10",
 }
 """bench_ttft.py's configurations, as the tables name them."""
 
@@ -237,6 +238,20 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
         shown = ", ".join(f"{LABELS[c]} {n:,}" for c, n in capacity.items() if n is not None)
         family = meta(run)["family"]
         notes = f"KV cache capacity in tokens (vLLM's log, model {family}): {shown}.\n\n"
+    if meta(run).get("probe"):
+        notes += f"Probes: {meta(run)['probe']}.\n\n"
+        shorts = [
+            f"{r['input_tokens']} tokens {r['hit_rate']:.0%}: "
+            + ", ".join(f"{LABELS[c]} {r[f'short_hits_{c}']}" for c in configs)
+            for r in rows
+            if r["hit_rate"] and any(f"short_hits_{c}" in r for c in configs)
+        ]
+        if shorts:
+            reps = len(rows[0][f"reps_{configs[0]}_s"])
+            notes += (
+                f"Probes (of {reps}) that found less than the prefix cached (the seed's saves "
+                "still in flight): " + "; ".join(shorts) + ".\n\n"
+            )
     return table(header, out) + "\n\n" + notes + measured_at(results, names)
 
 

@@ -163,6 +163,7 @@ class MemcacheBackend(Backend):
         *,
         contribute_memory: bool = True,
         io_threads: int = 4,
+        save_niceness: int = 0,
         store_factory: Callable[[], Any] | None = None,
     ) -> None:
         if config.meta_service_url is None or config.config_store_url is None:
@@ -209,7 +210,9 @@ class MemcacheBackend(Backend):
         self._put_direct = DEVICE_TO_POOL if dev else HOST_TO_POOL
         self._get_direct = POOL_TO_DEVICE if dev else POOL_TO_HOST
         self._regions: dict[int, int] = {}
-        self._call = BlockingCalls("MemCache client", "mmc", io_threads)
+        self._call = BlockingCalls(
+            "MemCache client", "mmc", io_threads, background_niceness=save_niceness
+        )
         logger.info(
             "MemCache %s client up in %.0f ms (meta %s, protocol %s, dram %d bytes)",
             "lookup" if self._lookup_client else "data",
@@ -297,7 +300,7 @@ class MemcacheBackend(Backend):
                 )
             return codes
 
-        codes = await self._call(write)
+        codes = await self._call.background(write)
         self._raise_if_unavailable("put", codes)
         # A put of an existing key writes nothing: first write wins, as in the contract.
         return [KeyStatus.OK if c == DUPLICATED_OBJECT else status_of(c) for c in codes]

@@ -126,6 +126,7 @@ class MooncakeBackend(Backend):
         master_address: str,
         *,
         io_threads: int = 4,
+        save_niceness: int = 0,
         contribute_memory: bool = True,
         replica_num: int = 1,
     ) -> None:
@@ -171,7 +172,9 @@ class MooncakeBackend(Backend):
             # whole batch (-600) in 0.3.x; the local segment is the same-node choice.
             self._replicate.preferred_segments = [self._segment_name]
         self._io_threads = io_threads
-        self._call = BlockingCalls("mooncake client", "mooncake", io_threads)
+        self._call = BlockingCalls(
+            "mooncake client", "mooncake", io_threads, background_niceness=save_niceness
+        )
         logger.info(
             "mooncake client %s up in %.0f ms (segment %d bytes, protocol %s, master %s)",
             self._segment_name,
@@ -230,9 +233,8 @@ class MooncakeBackend(Backend):
                 codes += fn(keys[a:b], *(col[a:b] for col in lists), self._replicate)
             return codes
 
-        parts = await asyncio.gather(
-            *(self._call(write, lo, hi) for lo, hi in self._slices(len(keys), _total(sizes)))
-        )
+        slices = self._slices(len(keys), _total(sizes))
+        parts = await asyncio.gather(*(self._call.background(write, lo, hi) for lo, hi in slices))
         codes = [code for part in parts for code in part]
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]

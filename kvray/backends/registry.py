@@ -159,6 +159,7 @@ class Mooncake(BackendSpec):
             mc.mooncake,
             address,
             io_threads=mc.io_threads,
+            save_niceness=mc.save_niceness,
             contribute_memory=contribute_memory,
             replica_num=mc.replica_num,
         )
@@ -222,10 +223,14 @@ class Yuanrong(BackendSpec):
         if yr.device == "npu":
             from kvray.backends.yuanrong_npu import YuanrongDeviceBackend
 
-            return YuanrongDeviceBackend(yr, address, io_threads=config.io_threads)
+            return YuanrongDeviceBackend(
+                yr, address, io_threads=config.io_threads, save_niceness=config.save_niceness
+            )
         from kvray.backends.yuanrong import YuanrongBackend
 
-        return YuanrongBackend(yr, address, io_threads=config.io_threads)
+        return YuanrongBackend(
+            yr, address, io_threads=config.io_threads, save_niceness=config.save_niceness
+        )
 
     def make_server(self, config: PoolConfig, host: str) -> DatasystemWorker:
         # Loopback whatever server_host says: the worker serves its own node's shared memory.
@@ -276,7 +281,10 @@ class Memcache(BackendSpec):
 
         mmc = as_backend(config, MemcachePoolConfig).memcache
         return MemcacheBackend(
-            mmc, contribute_memory=contribute_memory, io_threads=config.io_threads
+            mmc,
+            contribute_memory=contribute_memory,
+            io_threads=config.io_threads,
+            save_niceness=config.save_niceness,
         )
 
     def make_server(self, config: PoolConfig, host: str) -> MetaService:

@@ -105,7 +105,7 @@ class SsdBackend(Backend):
 
     name = "ssd"
 
-    def __init__(self, config: SsdConfig, rank: int) -> None:
+    def __init__(self, config: SsdConfig, rank: int, *, save_niceness: int = 0) -> None:
         root = check_ssd_path(config.path)
         total = shutil.disk_usage(root).total
         if config.quota > total:
@@ -132,7 +132,9 @@ class SsdBackend(Backend):
         """When a list: the keys the quota evicts are added to it (for the block index)."""
         started = time.monotonic()
         self._rebuild()
-        self._calls = BlockingCalls("ssd tier", "ssd", config.io_threads)
+        self._calls = BlockingCalls(
+            "ssd tier", "ssd", config.io_threads, background_niceness=save_niceness
+        )
         logger.info(
             "ssd tier %s: %d block(s), %d bytes indexed in %.0f ms (quota %d, eviction %s)",
             self.root,
@@ -338,10 +340,13 @@ class SsdBackend(Backend):
 
     # ---- contract --------------------------------------------------------------------
 
-    async def _each(self, fn: Callable[..., _T], *cols: Sequence[Any]) -> list[_T]:
-        return list(
-            await asyncio.gather(*(self._calls(fn, *row) for row in zip(*cols, strict=True)))
-        )
+    async def _each(
+        self, fn: Callable[..., _T], *cols: Sequence[Any], background: bool = False
+    ) -> list[_T]:
+        """``fn`` per row of ``cols``, on the tier's threads (``background``: its write
+        threads)."""
+        call = self._calls.background if background else self._calls
+        return list(await asyncio.gather(*(call(fn, *row) for row in zip(*cols, strict=True))))
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -357,13 +362,17 @@ class SsdBackend(Backend):
         seal: Seal | None = None,
     ) -> list[KeyStatus]:
         if seal is None:
-            return await self._each(self._write_one, keys, ptrs, sizes, [overwrite] * len(keys))
+            return await self._each(
+                self._write_one, keys, ptrs, sizes, [overwrite] * len(keys), background=True
+            )
 
         def seal_and_write(i: int, key: str, p: Sequence[int], s: Sequence[int]) -> KeyStatus:
             seal(i, i + 1)
             return self._write_one(key, p, s, overwrite)
 
-        return await self._each(seal_and_write, range(len(keys)), keys, ptrs, sizes)
+        return await self._each(
+            seal_and_write, range(len(keys)), keys, ptrs, sizes, background=True
+        )
 
     async def get(
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None

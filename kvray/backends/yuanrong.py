@@ -140,7 +140,14 @@ class DatasystemBackend(Backend):
     name = "yuanrong"
     data_path = "?"
 
-    def __init__(self, config: YuanrongConfig, worker_address: str, *, io_threads: int = 4) -> None:
+    def __init__(
+        self,
+        config: YuanrongConfig,
+        worker_address: str,
+        *,
+        io_threads: int = 4,
+        save_niceness: int = 0,
+    ) -> None:
         self._config = config
         self._address = worker_address
         host, port = check_worker_reachable(worker_address, config.connect_timeout_ms / 1e3)
@@ -164,7 +171,9 @@ class DatasystemBackend(Backend):
             ) from exc
         self._client = client
         self._io_threads = io_threads
-        self._calls = BlockingCalls("datasystem client", "yr", io_threads)
+        self._calls = BlockingCalls(
+            "datasystem client", "yr", io_threads, background_niceness=save_niceness
+        )
         logger.info(
             "datasystem %s client connected to %s in %.0f ms (write mode %s, exclusive %s)",
             self.data_path,
@@ -180,9 +189,10 @@ class DatasystemBackend(Backend):
 
     # ---- plumbing --------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _call(self, fn: Callable[..., _T], *args: Any, background: bool = False) -> _T:
+        """``fn`` on the adapter's threads (``background``: its store threads)."""
         try:
-            return await self._calls(fn, *args)
+            return await (self._calls.background if background else self._calls)(fn, *args)
         except _Unavailable as exc:
             raise BackendUnavailableError(
                 f"datasystem worker at {self._address} is unavailable: {exc} (it did not "
@@ -201,13 +211,20 @@ class DatasystemBackend(Backend):
             raise
 
     async def _split(
-        self, fn: Callable[[int, int], list[KeyStatus]], n: int, nbytes: int
+        self,
+        fn: Callable[[int, int], list[KeyStatus]],
+        n: int,
+        nbytes: int,
+        *,
+        background: bool = False,
     ) -> list[KeyStatus]:
         """Run ``fn(lo, hi)`` over slices: one per MAX_BATCH_KEYS, and spread over the
         adapter's threads when the batch is large enough to use several cores."""
         parts = self._io_threads if nbytes >= PARALLEL_MIN_BYTES else 1
         step = min(MAX_BATCH_KEYS, max(1, -(-n // parts)))
-        results = await asyncio.gather(*(self._call(fn, lo, hi) for lo, hi in _chunks(n, step)))
+        results = await asyncio.gather(
+            *(self._call(fn, lo, hi, background=background) for lo, hi in _chunks(n, step))
+        )
         return [s for part in results for s in part]
 
     @staticmethod
@@ -281,7 +298,8 @@ class DatasystemBackend(Backend):
             [sizes[i] for i in todo],
             seal if seal is None or len(todo) == len(enc) else seal_todo,
         )
-        for i, status in zip(todo, await self._split(write, len(todo), nbytes), strict=True):
+        statuses = await self._split(write, len(todo), nbytes, background=True)
+        for i, status in zip(todo, statuses, strict=True):
             out[i] = status
         return out
 

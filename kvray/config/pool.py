@@ -112,6 +112,12 @@ class PoolConfig(_Strict):
     segment. The first copy goes to the writer's own segment."""
     io_threads: int = Field(4, ge=1, le=64)
     """Threads each BackendClient uses for the backend's blocking batch calls."""
+    save_niceness: int = Field(0, ge=0, le=19)
+    """Niceness of the threads that store blocks in each BackendClient (the backend's
+    puts, their checksums, the SSD tier's writes); loads and lookups keep niceness 0.
+    Above 0 an engine's forward on the same cores comes first; a repeat sent while its
+    saves are slowed waits longer for them. On a 2-core host, back to back, 10 made no
+    difference to a miss beyond the noise (docs/benchmarks.md): 0 is the default."""
     checksum: bool = True
     """Every block stored in the backend carries an xxh3-64 of its key and bytes (an
     8-byte trailer written with it), checked on every load before the engine may use the

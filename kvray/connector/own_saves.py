@@ -68,7 +68,11 @@ class OwnSaves:
             self._waits.pop(rid, None)
             return False
         since = waiting[0] if waiting is not None else now
-        if now - since > (self.save_timeout_s if in_flight else self.index_lag_s):
+        # In flight: up to the save's timeout from the wait's start; ended: up to the
+        # index's lag from the save's end (a long wait for a slow save leaves the index
+        # its whole lag once the save ended).
+        start = since if in_flight or ended is None else max(since, ended)
+        if now - start > (self.save_timeout_s if in_flight else self.index_lag_s):
             self._waits.pop(rid, None)
             self._expired.add(rid)
             return False

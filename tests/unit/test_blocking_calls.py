@@ -49,3 +49,28 @@ def test_close_waits_for_running_calls_then_runs_the_clients_close_once():
 
     asyncio.run(main())
     assert order == ["call ended", "client closed"]
+
+
+def test_background_calls_run_on_threads_of_their_own_niceness():
+    """Stores run on background threads at ``background_niceness`` (an engine's forward
+    on the same cores comes first); other calls keep the process's niceness."""
+    import os
+    import threading
+
+    def niceness() -> tuple[str, int]:
+        me = threading.current_thread().name
+        return me, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    want = max(base, 7)
+
+    async def main() -> tuple[tuple[str, int], tuple[str, int]]:
+        calls = BlockingCalls("test client", "t", 2, background_niceness=7)
+        try:
+            return await calls(niceness), await calls.background(niceness)
+        finally:
+            await calls.close()
+
+    (fg_name, fg), (bg_name, bg) = asyncio.run(main())
+    assert fg_name.startswith("kvray-t_") and fg == base
+    assert bg_name.startswith("kvray-t-bg") and bg == want

@@ -275,6 +275,28 @@ def test_a_save_in_flight_is_waited_for_past_the_lookup_timeout_up_to_its_call_t
     assert s.sched._reqs["r2"].miss == "save_in_flight"  # its request line says why
 
 
+def test_after_a_long_wait_for_a_slow_save_the_index_still_gets_its_lag():
+    """A save slower than the lookup timeout was waited for; once it ended, the node's
+    index may show it a little later: the lookup still waits up to the lookup timeout from
+    the save's end (not from the wait's start, long past), then hits."""
+    s = Sched(lookup_timeout_ms=50, pool={"call_timeout_s": 5})
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    again = s.request("r2", 70)
+    assert matched(s, again) == (None, False)
+    time.sleep(0.12)  # the save is slow: in flight for more than two lookup timeouts
+    assert matched(s, again) == (None, False)
+    s.sched.update_connector_output(  # it ended; the index does not show it yet
+        KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=meta.step))
+    )
+    assert matched(s, again) == (None, False)
+    s.lookup.answer = answered(4)
+    assert matched(s, again) == (64, False)
+
+
 def handshake(policy: str) -> Any:
     from kvray.connector.metadata import KVRayHandshake
     from kvray.index.lookup import Place

@@ -325,14 +325,15 @@ class KVRegion:
     def layer_parts(self, ops: list[BlockOp], first_slot: int | None) -> dict[int, PartWork]:
         """Per part (layer group, of a KV cache group for a hybrid model) that ``ops``
         have blocks of: its batch, ops, block ids and first staging slot (layer-wise
-        saves)."""
+        saves). A hybrid model's: by KV cache group, as :meth:`chunks` orders them (one
+        run of staging slots per group)."""
         if not self.kv_cols:
             ids = [b for op in ops for b in op.block_ids]
             batches = self.batches(ops, first_slot)
             return {p: PartWork(b, ops, ids, first_slot) for p, b in enumerate(batches)}
         out: dict[int, PartWork] = {}
         pos = 0
-        for g, _, _, run in self._runs(ops):
+        for g, _, _, run in self._runs(sorted(ops, key=lambda op: op.group)):
             ids = [b for op in run for b in op.block_ids]
             first = None if first_slot is None else first_slot + pos
             for p in (i for i, kv in enumerate(self.part_kv) if kv == g):

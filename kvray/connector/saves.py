@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 class _LayerwiseSave:
     """A step's saves, sent group by group as the forward completes their layers."""
 
-    ops: list[BlockOp]
-    block_ids: list[int]
+    n: int
+    """Blocks of the step (staging slots held from ``first``)."""
     first: int | None
     work: dict[int, PartWork]
     """Part (layer group) -> its batch and blocks; a hybrid model's step may have blocks
@@ -54,10 +54,6 @@ class _LayerwiseSave:
     """Part -> gather event (staged on a device) of parts gathered, not yet sent."""
     calls: dict[int, Call[list[KeyStatus]]] = field(default_factory=dict)
     """Part -> its put."""
-
-    @property
-    def n(self) -> int:
-        return len(self.block_ids)
 
 
 @dataclass(eq=False)
@@ -224,8 +220,7 @@ class Saver:
         self._send_gathered(save, block=False)
 
     def _start_layerwise(self, ops: list[BlockOp]) -> _LayerwiseSave | None:
-        block_ids = [b for op in ops for b in op.block_ids]
-        n = len(block_ids)
+        n = sum(len(op.block_ids) for op in ops)
         first = None
         if self._slots is not None:
             first = self._slots.reserve(n)
@@ -234,11 +229,8 @@ class Saver:
                 # The step's saves failed: neither later layers nor save_step retry.
                 self._step = []
                 return None
-        if self._region.kv_grouped:
-            ops = sorted(ops, key=lambda op: op.group)  # (staging slots in group order)
-            block_ids = [b for op in ops for b in op.block_ids]
         work = self._region.layer_parts(ops, first)
-        self._lw = _LayerwiseSave(ops, block_ids, first, work, {p: set() for p in work})
+        self._lw = _LayerwiseSave(n, first, work, {p: set() for p in work})
         return self._lw
 
     def _gather_group(self, save: _LayerwiseSave, g: int) -> None:

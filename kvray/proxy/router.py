@@ -204,7 +204,8 @@ def servable(
             if rule == STATE:
                 ok = held(keys[h - 1], g)
             else:
-                window = groups[g].sliding_window or 1
+                window = groups[g].sliding_window  # (set: rule() said WINDOW)
+                assert window is not None
                 span = -(-(window - 1) // block_size) if block_size else h
                 ok = all(held(keys[j], g) for j in range(max(0, h - span), h))
             if not ok:

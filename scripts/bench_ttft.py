@@ -209,6 +209,8 @@ def main() -> int:
     lengths, rates = workload(parser, args, misses=True)
     if args.family in STATE_FAMILIES and {"hmaoff", "peer"} & set(configs):
         parser.error(f"--family {args.family}: hmaoff and peer do not run state groups here")
+    if args.family in STATE_FAMILIES and configs == ["full"]:
+        parser.error(f"--family {args.family}: --configs needs a caching configuration")
 
     from kvray.config import MooncakeMasterConfig
 
@@ -261,7 +263,9 @@ def main() -> int:
         tail = 1 if hybrid else None
         block = BLOCK
         if args.family in STATE_FAMILIES:  # (vLLM grows it so an attention page holds a state)
-            first = engines[configs[0]]
+            # (a caching engine's: with prefix caching off, as ``full`` runs, vLLM keeps no
+            # states per block and sizes its blocks otherwise)
+            first = engines[next(n for n in configs if n != "full")]
             block = int(first.call(op="block_size")["block_size"])
             first.pause()
             log(f"   {args.family}: vLLM's block size {block}")

@@ -300,6 +300,7 @@ def render_layerwise(results: Results, names: Sequence[str]) -> str:
 PARTS = (
     "to_lookup",
     "lookup",
+    "async_load",
     "to_step",
     "load",
     "load_client",

@@ -80,13 +80,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
+from _cpu import CpuMeter, cpu_rows, print_cpu  # noqa: E402
 from _engines import (  # noqa: E402
     FAMILIES,
     PEER_TRANSFER_CONFIG,
@@ -105,6 +105,7 @@ from _engines import (  # noqa: E402
     workload,
     workload_args,
 )
+from _floors import STAGED_COPIES, CopyVerifyFloor, StagedFloor  # noqa: E402
 from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
 CONFIGS = (
@@ -140,9 +141,6 @@ PAIRS = (
 0 % rows: what a miss costs over an engine with no connector; kvray - peer and peer -
 full beside it)."""
 BLOCK = 128
-STAGED_COPIES = 2
-"""The copies of a hit's bytes the staged placement needs at least: the backend's into
-the staging region, then the scatter into the KV cache (the local prefix cache: none)."""
 SEGMENT = "4GB"
 """Each pool's (and the peer's master's) memory: room for a default run's blocks."""
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
@@ -272,17 +270,24 @@ def main() -> int:
         schedule = interleaved(configs, lengths, rates, args.reps, block, seed_tail=tail)
         capacity = {name: kv_capacity(engines[name].log()) for name in configs}
         cv = CopyVerifyFloor()
+        meter = CpuMeter()
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
                 # back to back: every configuration seeds, a miss's seed unrelated to it
                 needs_seed = args.back_to_back or (prefix_len > 0 and name != "full")
-                before = pools[name].stats().total if hybrid and name in MOVED else None
+                moved = (hybrid or b2b) and name in MOVED
+                before = pools[name].stats().total if moved else None
+                cpu0 = meter.total_s() if b2b else 0.0
                 answer = engines[name].turn(
                     seed if needs_seed else None,
                     probe,
                     back_to_back=args.back_to_back,
                     reset_own=args.family in STATE_FAMILIES and name != "local",
                 )
+                if b2b:  # (the turn drained its probe's saves: its CPU is in)
+                    reps.setdefault((f"cpu_{name}", length, rate), []).append(
+                        meter.total_s() - cpu0
+                    )
                 if before is not None:
                     after = pools[name].stats().total
                     reps.setdefault((f"get_{name}", length, rate), []).append(
@@ -325,6 +330,8 @@ def main() -> int:
                     row[f"loaded_bytes_{name}"] = statistics.median(got)
                     row[f"reps_stored_bytes_{name}"] = put
                     row[f"stored_bytes_{name}"] = statistics.median(put)
+            if b2b and "full" in configs:
+                cpu_rows(row, reps, configs, length, rate)
             if floor:
                 row["reps_floor_s"] = floors = reps[("floor", length, rate)]
                 pairs = zip(row["reps_staged_s"], row["reps_local_s"], strict=True)
@@ -350,6 +357,8 @@ def main() -> int:
                   f"{r['input_tokens']}/{r['hit_rate']:.0%} "
                   + " ".join(f"{LABELS[c]} {r[f'short_hits_{c}']}" for c in configs)
                   for r in rows if r["hit_rate"]))  # fmt: skip
+    if b2b:
+        print_cpu(rows, configs)
     if hybrid:
         print_family(rows, capacity, args.family)
         if all("kvray_minus_local_minus_copyverify_ms" in r for r in rows):
@@ -422,54 +431,6 @@ def print_family(rows: list[dict[str, Any]], capacity: dict[str, int | None], fa
         print(f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%}{cells}")
     shown = ", ".join(f"{n} {c if c is not None else '?'}" for n, c in capacity.items())
     print(f"KV cache capacity in tokens (vLLM's log): {shown}")
-
-
-class CopyVerifyFloor:
-    """What a hit must cost at least over the ideal: one memcpy of the bytes it loaded and
-    their xxh3-64 (the checksum kvray verifies), timed in this process (one thread) on
-    memory faulted in once."""
-
-    def __init__(self) -> None:
-        self._src: Any = None
-        self._dst: Any = None
-
-    def time(self, nbytes: int) -> float:
-        import numpy as np
-        import xxhash
-
-        if self._src is None or len(self._src) < nbytes:
-            self._src = np.ones(nbytes, dtype=np.uint8)
-            self._dst = np.ones_like(self._src)
-        src, dst = self._src[:nbytes], self._dst[:nbytes]
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        xxhash.xxh3_64_intdigest(src)
-        return time.perf_counter() - t0
-
-
-class StagedFloor:
-    """The staged placement's floor: :data:`STAGED_COPIES` memcpys of a hit's bytes, timed
-    in this process (one thread, as the connector's scatter is) on memory faulted in once."""
-
-    def __init__(self, model: str, max_tokens: int) -> None:
-        import numpy as np
-
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        itemsize = 4 if cfg.get("dtype", cfg.get("torch_dtype")) == "float32" else 2
-        self.token_bytes = (
-            cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * itemsize
-        )
-        self._src = np.ones(max_tokens * self.token_bytes, dtype=np.uint8)
-        self._dst = np.ones_like(self._src)
-
-    def time(self, tokens: int) -> float:
-        import numpy as np
-
-        n = tokens * self.token_bytes
-        t0 = time.perf_counter()
-        np.copyto(self._dst[:n], self._src[:n])
-        return STAGED_COPIES * (time.perf_counter() - t0)
 
 
 def print_paired(rows: list[dict[str, Any]], key: str, title: str, show: Any, note: str) -> None:

@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.02
+"""How long a step in which no request computes waits for its async loads to end. Such a
+step exists only for transfers; ending it at once makes vLLM run empty steps until the
+loads are reported (each a scheduler pass, a worker round trip, and in a multiprocess
+engine a 1 ms sleep), taking CPU from the BackendClient that serves them. A request that
+arrives meanwhile waits at most this long to be scheduled; a longer load (a cold SSD, a
+remote node) is then polled as before."""
+
 
 @dataclass(eq=False)
 class _LayerwiseLoad:
@@ -209,6 +217,13 @@ class Loader:
 
     def async_calls(self) -> list[Call[Any]]:
         return [c for load in self._async for c in load.calls]
+
+    def wait_async(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every async load in flight to end (accounted by
+        the next :meth:`poll_async`)."""
+        calls = self.async_calls()
+        if calls:
+            self._waits.ready(calls, timeout_s, every=True)
 
     def poll_async(self) -> None:
         """Account (and, staged, scatter) every async load whose calls are all done."""

@@ -67,6 +67,10 @@ class KVRayMetadata(KVConnectorMetadata):
     generation: int = 0
     """The generation of the instance's keys (:attr:`kvray.keys.KeySpace.generation`):
     every op of the step is keyed in it."""
+    idle: bool = False
+    """No request computes in this step (vLLM runs it for transfers only): the worker waits
+    here, briefly, for the async loads in flight, rather than the engine polling for them
+    with empty steps (:data:`kvray.connector.loads.IDLE_WAIT_S`)."""
 
     def is_empty(self) -> bool:
         return not (

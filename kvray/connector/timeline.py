@@ -119,6 +119,9 @@ class Timeline:
     lookup_wait_steps: int = 0
     """Scheduler steps in which the request waited for its lookup."""
     admitted_ms: float | None = None
+    async_loaded_ms: float | None = None
+    """Its async load's end reached the scheduler (vLLM's ``finished_recving``): from the
+    next step on the request can compute."""
     first_step_built_ms: float | None = None
     """The step computing the first token was handed to the workers."""
     load_wait_ms: float | None = None

@@ -73,6 +73,13 @@ class RequestTimelines:
                     tl.load_served_ms = times.load_served_ms
                 self._log_parked(rid)
 
+    def async_loaded(self, rids: set[str]) -> None:
+        """The async loads of ``rids`` ended (reported in a step's output)."""
+        for rid in rids:
+            clock = self._clocks.get(rid)
+            if clock is not None and clock.timeline.async_loaded_ms is None:
+                clock.timeline.async_loaded_ms = clock.now_ms()
+
     def finished(self, rid: str, st: RequestState | None) -> None:
         """``rid`` finished: logged now, or once its first-token step's times came."""
         clock = self._clocks.pop(rid, None)
@@ -100,7 +107,7 @@ class RequestTimelines:
 
         self._logger.debug(
             "timeline request_id=%s arrival_lag=%s lookup_sent=%s lookup_answered=%s%s "
-            "lookup_wait_steps=%d admitted=%s first_step_built=%s load_wait=%s "
+            "lookup_wait_steps=%d admitted=%s async_loaded=%s first_step_built=%s load_wait=%s "
             "(served %s) forward=%s "
             "first_token=%s prefill_steps=%d (ms from first sight)",
             rid,
@@ -110,6 +117,7 @@ class RequestTimelines:
             " (timed out)" if tl.lookup_timed_out else "",
             tl.lookup_wait_steps,
             ms(tl.admitted_ms),
+            ms(tl.async_loaded_ms),
             ms(tl.first_step_built_ms),
             ms(tl.load_wait_ms),
             ms(tl.load_served_ms),

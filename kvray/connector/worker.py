@@ -27,7 +27,7 @@ from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.instance import InstanceInfo
 from kvray.connector.load_policy import worker_applied_policy
-from kvray.connector.loads import Loader
+from kvray.connector.loads import IDLE_WAIT_S, Loader
 from kvray.connector.metadata import KVRayHandshake, KVRayMetadata
 from kvray.connector.region import KVRegion
 from kvray.connector.saves import Saver
@@ -314,6 +314,8 @@ class KVRayWorker:
         recving: set[str] = set()
         failed: set[str] = set()
         if loads is not None:
+            if self._meta is not None and self._meta.idle:
+                loads.wait_async(IDLE_WAIT_S)
             loads.poll_async()
             recving, failed = loads.finished()
         return sending, recving, failed

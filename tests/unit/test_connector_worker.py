@@ -19,6 +19,7 @@ from kvray.backends.base import KeyStatus  # noqa: E402
 from kvray.config import ConnectorConfig, PoolConfig, validate  # noqa: E402
 from kvray.connector import worker as worker_mod  # noqa: E402
 from kvray.connector.instance import InstanceInfo  # noqa: E402
+from kvray.connector.loads import IDLE_WAIT_S  # noqa: E402
 from kvray.connector.metadata import BlockOp, KVRayMetadata  # noqa: E402
 from kvray.connector.worker import KVRayWorker  # noqa: E402
 from kvray.errors import BackendUnavailableError, ConfigError  # noqa: E402
@@ -68,9 +69,15 @@ def _kv_caches(worker: KVRayWorker, placement: str) -> dict[str, torch.Tensor]:
 class Engine:
     """A worker registered on a fake pool, and what a test looks at."""
 
-    def __init__(self, placement: str, call_timeout_s: float = TIMEOUT_S, **extra: object) -> None:
+    def __init__(
+        self,
+        placement: str,
+        call_timeout_s: float = TIMEOUT_S,
+        waits: FakeWaits | None = None,
+        **extra: object,
+    ) -> None:
         self.pool = FakePool(_pool_config(call_timeout_s))
-        self.waits = FakeWaits()
+        self.waits = waits if waits is not None else FakeWaits()
         self.worker = KVRayWorker(_info(placement, **extra), self.pool, self.waits)
         self.caches = _kv_caches(self.worker, placement)
         self.worker.register_kv_caches(self.caches)
@@ -185,6 +192,37 @@ def test_an_async_load_with_a_failed_block_reports_the_request_done_and_the_bloc
     assert e.worker.get_finished(set()) == (None, {"b"})
     assert e.worker.get_block_ids_with_load_errors() == {5}
     assert e.stat("miss_load_failed") == 1 and e.stat("loaded_blocks") == 1
+
+
+class AnsweringWaits(FakeWaits):
+    """Waits under which a call still pending ends as soon as the worker waits for it for
+    more than nothing (the BackendClient answers while the worker waits)."""
+
+    def ready(self, calls: Any, timeout_s: float = 0, *, every: bool = False) -> list[bool]:
+        if timeout_s:
+            for call in calls:
+                if not call.done():
+                    call.finish()
+        return super().ready(calls, timeout_s, every=every)
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["nothing-computes", "a-forward-runs"])
+def test_a_step_where_nothing_computes_waits_for_its_async_loads_and_reports_them(engine, idle):
+    e = engine("shared", waits=AnsweringWaits(), load_async=True)
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.worker.get_finished(set())
+    e.store.hang = True  # the load's answer comes only while the worker waits for it
+    done = e.run_step(async_loads=[BlockOp("b", _hashes(1, 2), (5, 6))], idle=idle)  # type: ignore[arg-type]
+    if idle:
+        # Reported in the step that sent it: vLLM schedules the request's forward next,
+        # with no empty steps polling for it.
+        assert done == (None, {"b"})
+        assert e.waits.timeouts.count(IDLE_WAIT_S) == 1
+        assert _same(e.block(5), e.block(1)) and _same(e.block(6), e.block(2))
+    else:
+        # A step that computes others' tokens does not hold them back for it.
+        assert done == (None, None)
+        assert IDLE_WAIT_S not in e.waits.timeouts
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -1,0 +1,128 @@
+"""CPU time of a benchmark's processes: what a configuration costs the machine's cores,
+beside what it costs a request's latency.
+
+Every process below the benchmark's own (the engines, Ray's GCS, raylet and workers, so
+the pool's actors, and the Mooncake masters) is counted: user plus system time from
+/proc, read around each turn. Engines not in turn are paused, so a turn's CPU is its
+engine's and whatever the pool and Ray did meanwhile (the pool's background work, the
+previous turn's saves finishing). A configuration's cost is its turn's CPU minus the
+no-connector configuration's for the same prompts in the same rep, per GB the pool moved
+(stored and loaded) in that turn.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: str) -> tuple[int, float] | None:
+    """(parent pid, user + system seconds) of ``pid``; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+class CpuMeter:
+    """The CPU seconds used so far by every live process below ``root`` (this process)."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = os.getpid() if root is None else root
+
+    def total_s(self) -> float:
+        stats: dict[int, tuple[int, float]] = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit() and (st := _stat(name)) is not None:
+                stats[int(name)] = st
+        below: set[int] = {self.root}
+        grew = True
+        while grew:  # (a process tree a few levels deep: engines, raylet's workers)
+            grew = False
+            for pid, (ppid, _) in stats.items():
+                if ppid in below and pid not in below:
+                    below.add(pid)
+                    grew = True
+        return sum(cpu for pid, (_, cpu) in stats.items() if pid in below and pid != self.root)
+
+
+def cpu_per_gb(
+    cpu_s: Sequence[float], full_s: Sequence[float], moved_bytes: Sequence[float]
+) -> dict[str, Any]:
+    """A configuration's CPU over no connector, per rep (``cpu_s`` and ``full_s`` paired),
+    and per GB moved (``moved_bytes`` of the same reps): medians and every rep."""
+    extra = [a - b for a, b in zip(cpu_s, full_s, strict=True)]
+    per_gb = [e / (m / 1e9) for e, m in zip(extra, moved_bytes, strict=True) if m > 0]
+    return {
+        "extra_cpu_ms": statistics.median(extra) * 1e3,
+        "reps_extra_cpu_ms": [e * 1e3 for e in extra],
+        "cpu_s_per_gb": statistics.median(per_gb) if per_gb else None,
+        "reps_cpu_s_per_gb": per_gb,
+    }
+
+
+def cpu_rows(
+    row: dict[str, Any],
+    reps: dict[tuple[str, int, float], list[float]],
+    configs: Sequence[str],
+    length: int,
+    rate: float,
+) -> None:
+    """A back-to-back row's CPU: every configuration's per rep (``reps_cpu_<c>_s``) and,
+    for each but no connector, its cost over it per GB kvray's pool moved in the same rep
+    (``cpu_<c>``; ``moved_gb`` the median bytes moved)."""
+    for c in configs:
+        row[f"reps_cpu_{c}_s"] = reps[(f"cpu_{c}", length, rate)]
+    moved = [
+        g + p
+        for g, p in zip(
+            reps.get(("get_kvray", length, rate), []),
+            reps.get(("put_kvray", length, rate), []),
+            strict=True,
+        )
+    ]
+    if not moved:
+        return
+    row["moved_gb"] = statistics.median(moved) / 1e9
+    for c in configs:
+        if c != "full":
+            row[f"cpu_{c}"] = cpu_per_gb(row[f"reps_cpu_{c}_s"], row["reps_cpu_full_s"], moved)
+
+
+def print_cpu(rows: list[dict[str, Any]], configs: Sequence[str]) -> None:
+    """The CPU table of a back-to-back run."""
+    names = [c for c in configs if any(f"cpu_{c}" in r for r in rows)]
+    if not names:
+        return
+    print(
+        f"\n{'input':>6} {'hit':>5} "
+        + " ".join(f"{c + ' +cpu ms':>16} {c + ' s/GB':>12}" for c in names)
+        + f" {'GB moved':>9}"
+    )
+    for r in rows:
+        cells = []
+        for c in names:
+            got = r.get(f"cpu_{c}")
+            if got is None:
+                cells.append(f"{'-':>16} {'-':>12}")
+                continue
+            per = got["cpu_s_per_gb"]
+            cells.append(f"{got['extra_cpu_ms']:16.1f} {per if per is None else f'{per:.2f}':>12}")
+        print(
+            f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} "
+            + " ".join(cells)
+            + f" {r.get('moved_gb', 0.0):9.3f}"
+        )
+    print(
+        "+cpu ms = median over reps of the turn's CPU time (user + system, every process "
+        "below the benchmark: engines, Ray, the pool's actors, the masters) minus no "
+        "connector's in the same rep; s/GB = that over the GB kvray's pool stored and loaded "
+        "in the turn (the same prompts' bytes for every configuration)"
+    )

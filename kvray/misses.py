@@ -2,7 +2,9 @@
 by the connector's stats, vLLM's ``/metrics``, the pool's counters and ``kvray status``.
 
 A lookup's missed blocks (those after its leading hits) all count under the reason of
-the first one, which is what ended the prefix. Load-time reasons count blocks that were
+the first one, which is what ended the prefix, except ``not_worth_loading``, which
+counts the hit blocks the engine computed instead (the blocks after them keep their
+reason; the pool counted them among its hits too). Load-time reasons count blocks that were
 hits at lookup, per rank that failed to load them.
 """
 
@@ -19,6 +21,8 @@ LOOKUP_REASONS = {
     "--prefix-caching-hash-algo)",
     "lookup_timeout": "the lookup took longer than lookup_timeout_ms",
     "lookup_error": "the lookup failed",
+    "not_worth_loading": "held by the pool, but measured to load slower than computing "
+    "its tokens: computed (recompute_slow_hits)",
 }
 LOAD_REASONS = {
     "gone_at_load": "a hit at lookup, gone at load (its read lease expired and it was "

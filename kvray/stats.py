@@ -54,6 +54,9 @@ class RankStats:
     miss_other_fingerprint: int = 0
     miss_lookup_timeout: int = 0
     miss_lookup_error: int = 0
+    miss_not_worth_loading: int = 0
+    """Blocks of hits an engine computed instead of loading (reported by its scheduler;
+    also in ``lookup_hit_blocks``)."""
 
     def merge(self, other: RankStats) -> RankStats:
         for f in fields(self):

@@ -37,6 +37,11 @@ class ConnectorConfig(_Strict):
     """AscendStoreConnector's deprecated name of ``lookup_rpc_port``: ignored alike."""
     load_async: bool = False
     """Load pool hits asynchronously (reported through ``get_finished``)."""
+    recompute_slow_hits: bool = True
+    """Compute a pool hit rather than load it when this engine measured its load to be
+    slower than computing its tokens (short hits, a slow SSD tier); counted as the miss
+    ``not_worth_loading``. Until both rates are measured every hit is loaded. False:
+    every hit is loaded."""
     consumer_is_to_put: bool = False
     """A ``kv_consumer`` also stores its blocks to the pool."""
     consumer_is_to_load: bool = False

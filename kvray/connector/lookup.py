@@ -165,6 +165,11 @@ class Lookups:
             name = miss_counter(answer.miss)
             c[name] = c.get(name, 0) + n - answer.hits
 
+    def count(self, name: str, n: int) -> None:
+        """Add ``n`` to the pool's counter ``name`` (a :class:`~kvray.stats.RankStats`
+        field), reported with the index's counters."""
+        self._counts[name] = self._counts.get(name, 0) + n
+
     def _index_gone(self, index: BlockIndex) -> bool:
         """Whether ``index``'s keeper is gone (restarted, or its pool stopped); if so it is
         unmapped here and lookups ask the Lookup actor."""

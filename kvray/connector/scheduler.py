@@ -54,6 +54,7 @@ from kvray.connector.request_state import (
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
+from kvray.connector.worth import Worth
 from kvray.errors import ConfigError, KVRayError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
@@ -162,6 +163,8 @@ class KVRayScheduler:
         self._preempted: list[str] = []
         self._engine_busy = False
         self._timelines = RequestTimelines(logger)
+        self._worth = Worth()
+        """This engine's measured load and compute rates: whether a hit is worth loading."""
         self._step = 0
         logger.info(
             "KVRayConnector scheduler: pool %r at %s, keys %s@%s tp=%d pp=%d, load_async=%s",
@@ -340,6 +343,10 @@ class KVRayScheduler:
                 reported = pending.first_block + pending.want
                 self._pd.blocks_missing(rid, reported, pending.first_block + leading)
             hit = max(0, pending.first_block + leading - local)
+        # (a PD decode loads what its prefill computed for it, whatever the rates)
+        refused = 0
+        if hit and not pending.want and not self._worth_loading(hit, min(answer.ssd, hit)):
+            refused, hit, why = hit, 0, "not_worth_loading"
         clock = self._clock(request)
         clock.timeline.lookup_answered_ms = clock.now_ms()
         clock.timeline.admitted_ms = clock.timeline.lookup_answered_ms
@@ -347,8 +354,11 @@ class KVRayScheduler:
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", n - local)
         self.stats.add("lookup_hit_blocks", hit)
-        if n - local > hit:
-            self.stats.add(miss_counter(why or "not_stored"), n - local - hit)
+        if refused:  # the blocks after them keep the index's reason
+            self.stats.add(miss_counter(why), refused)
+            self._lookups.count(miss_counter(why), refused)
+        if n - local > hit + refused:
+            self.stats.add(miss_counter(answer.miss or "not_stored"), n - local - hit - refused)
         # A full hit still leaves the last token to compute: vLLM needs one new token.
         hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
         external = max(0, hit_tokens - num_computed_tokens)
@@ -361,7 +371,7 @@ class KVRayScheduler:
                 request,
                 local,
                 pool_blocks=pool_blocks,
-                next_save=local + pool_blocks,
+                next_save=local + pool_blocks + refused,  # (refused: the pool holds them)
                 miss=miss,
                 ssd_blocks=min(answer.ssd, pool_blocks),
             )
@@ -369,6 +379,13 @@ class KVRayScheduler:
         if external == 0:
             return 0, False
         return external, self.info.config.load_async
+
+    def _worth_loading(self, blocks: int, ssd: int) -> bool:
+        """Load the hit, or compute it: measured to load slower than computing its
+        tokens, a hit is computed (``recompute_slow_hits``; :mod:`kvray.connector.worth`)."""
+        if not self.info.config.recompute_slow_hits:
+            return True
+        return self._worth.worth_loading(blocks, ssd, self.block_size)
 
     def _awaits_own_save(self, request: Request, block: int) -> bool:
         """The lookup missed at ``block``: ask again while this instance's own save of it
@@ -404,9 +421,13 @@ class KVRayScheduler:
         st.set_blocks(blocks.get_block_ids())
         if num_external_tokens <= 0:
             return
+        load_async = self.info.config.load_async
+        self._worth.planned(
+            request.request_id, st.pool_blocks, st.ssd_blocks, load_async=load_async
+        )
         first, last = st.local_blocks, st.local_blocks + st.pool_blocks
         hashes = [hash_bytes(h) for h in request.block_hashes[first:last]]
-        queue = self._async_loads if self.info.config.load_async else self._loads
+        queue = self._async_loads if load_async else self._loads
         for g, ids in enumerate(st.group_ids):
             # A sliding window's blocks before its window are vLLM's null block: not loaded.
             op = group_op(request.request_id, hashes, ids[first:last], g)
@@ -425,6 +446,7 @@ class KVRayScheduler:
         track_scheduled(self._reqs, scheduler_output)
         self._step += 1
         self._timelines.step_built(self._step, scheduled, self._reqs)
+        self._worth.step_built(self._step, sum(scheduled.values()))
         for op in self._loads:
             for block_id in op.block_ids:
                 self._unverified[block_id] = self._step
@@ -530,11 +552,17 @@ class KVRayScheduler:
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
             self._timelines.step_times(times)
+            failed = bool(output.invalid_block_ids)
+            self._worth.step_done(
+                times.step, times.forward_ms, times.load_wait_ms, self.block_size, failed
+            )
             if self._unverified:  # that step's failed loads are in this output
                 self._unverified = {b: s for b, s in self._unverified.items() if s > times.step}
             self._own_saves.ended_through(times.saved_through)
             self._pins.release_through(times.saved_through)
-        for rid in getattr(output, "failed_recving", None) or ():
+        failed_recving = set(getattr(output, "failed_recving", None) or ())
+        self._worth.async_done(set(output.finished_recving or ()), failed_recving)
+        for rid in failed_recving:
             st = self._reqs.get(rid)
             if st is not None:  # vLLM recomputes it from its first token (or fails it)
                 st.load_failed_blocks += st.pool_blocks
@@ -569,6 +597,7 @@ class KVRayScheduler:
         rid = request.request_id
         self._lookups.drop(rid)
         self._own_saves.forget(rid)
+        self._worth.forget(rid)
         self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
         if st is not None and self.info.can_save and not _ended_in_error(request):

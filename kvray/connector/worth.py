@@ -1,0 +1,199 @@
+"""Scheduler side: whether a pool hit is worth loading, decided from this engine's own
+measured rates.
+
+A hit of ``H`` blocks costs a load: a fixed overhead (a channel round trip, a step's
+bookkeeping) plus a time per block, apart for DRAM and for blocks only the SSD tier
+holds. Not taking it costs computing its ``H * block_size`` tokens: a time per token.
+Both are straight lines fitted to what the engine already reports, so measuring costs no
+call and no wait:
+
+- a computing step's forward time against the tokens it scheduled (the worker's
+  :class:`~kvray.connector.timeline.StepTimes`), steps of at least a block of tokens
+  only (decode steps say little about a prefill's cost per token);
+- a synchronous load's wait against the blocks that step loaded (the forward waited for
+  exactly those), or an asynchronous load's time from the step that sent it to the
+  output that reported it done (what its request waited).
+
+Each line is a Theil-Sen fit (the median of the slopes between every two samples, then
+the median intercept) over the last :data:`WINDOW` samples: a step slowed by a
+neighbour's burst moves it no more than a sample. With linear costs on both sides, what
+taking ``k`` of the ``H`` blocks saves, ``k * (per_token * block_size - per_block) -
+overhead``, is monotonic in ``k``: the best prefix is all of the hit or none of it, so
+the decision is all or nothing.
+
+Until a line has :data:`MIN_SAMPLES` samples at two or more sizes (no slope from one
+size), a hit is taken, as without this module. A refused hit produces no load sample, so
+a tier that got faster would never be seen: every :data:`PROBE_EVERY`-th hit refused in
+a row on a tier is taken anyway, to measure it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import median
+
+WINDOW = 32
+"""Samples each line is fitted to (the newest)."""
+MIN_SAMPLES = 8
+"""Samples a line needs before it decides anything."""
+PROBE_EVERY = 16
+"""A tier's hits refused in a row before one is taken to measure the tier again."""
+STEPS_KEPT = 64
+"""Built steps whose times may still come back (older ones are dropped unmeasured)."""
+
+
+class Line:
+    """``y = a + b * x`` fitted robustly to the last :data:`WINDOW` samples."""
+
+    def __init__(self) -> None:
+        self._xy: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._fit: tuple[float, float] | None = None
+        self._dirty = False
+
+    def add(self, x: float, y: float) -> None:
+        self._xy.append((x, y))
+        self._dirty = True
+
+    def __len__(self) -> int:
+        return len(self._xy)
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)``, neither below 0 (a cost), or None: too few samples, or all at one
+        ``x`` (which cannot tell the overhead from the rate)."""
+        if self._dirty:
+            self._dirty = False
+            self._fit = theil_sen(list(self._xy)) if len(self._xy) >= MIN_SAMPLES else None
+        return self._fit
+
+
+def theil_sen(xy: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(a, b)`` of ``y = a + b * x`` (neither below 0), or None: no two ``x`` differ."""
+    slopes = [
+        (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1 :] if x2 != x1
+    ]
+    if not slopes:
+        return None
+    b = max(0.0, median(slopes))
+    return max(0.0, median(y - b * x for x, y in xy)), b
+
+
+@dataclass
+class _Loading:
+    """Blocks planned for a load: from DRAM, and those only the SSD tier held."""
+
+    dram: int = 0
+    ssd: int = 0
+    sent: float = 0.0
+    """When the step that sends it was built (async loads)."""
+
+
+class Worth:
+    """One engine instance's load and compute rates, and the decision they make."""
+
+    def __init__(self) -> None:
+        self.compute = Line()
+        """Forward ms against the tokens a step scheduled."""
+        self.dram = Line()
+        """Load ms against the blocks loaded, loads from DRAM only."""
+        self._ssd: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        """Loads with SSD blocks: (DRAM blocks, SSD blocks, ms), fitted once the DRAM
+        line can take the DRAM blocks' share out."""
+        self._refused = {"dram": 0, "ssd": 0}
+        self._sync = _Loading()
+        self._async: dict[str, _Loading] = {}
+        self._async_unsent: dict[str, _Loading] = {}
+        self._steps: dict[int, tuple[int, _Loading]] = {}
+        """Built step -> (tokens it scheduled, its sync loads), until its times come."""
+
+    # ---- the decision --------------------------------------------------------------------
+
+    def worth_loading(self, blocks: int, ssd: int, block_size: int) -> bool:
+        """Whether to load a hit of ``blocks`` blocks (``ssd`` of them only on the SSD
+        tier) rather than compute their tokens. True while either side is not measured."""
+        tier = "ssd" if ssd else "dram"
+        compute = self.compute.fit()
+        load_ms = self.load_ms(blocks - ssd, ssd)
+        if compute is None or load_ms is None or compute[1] <= 0:
+            return True
+        if load_ms <= compute[1] * blocks * block_size:
+            self._refused[tier] = 0
+            return True
+        self._refused[tier] += 1
+        if self._refused[tier] >= PROBE_EVERY:
+            self._refused[tier] = 0
+            return True
+        return False
+
+    def load_ms(self, dram: int, ssd: int) -> float | None:
+        """The estimated time to load ``dram`` + ``ssd`` blocks (None: not measured)."""
+        line = self.dram.fit()
+        if not ssd:
+            return None if line is None else line[0] + line[1] * dram
+        ssd_line = self._ssd_line(line)
+        if ssd_line is None or (dram and line is None):
+            return None
+        return ssd_line[0] + ssd_line[1] * ssd + (line[1] * dram if line else 0.0)
+
+    def _ssd_line(self, dram: tuple[float, float] | None) -> tuple[float, float] | None:
+        """SSD loads' overhead and time per SSD block: each sample less its DRAM blocks'
+        time at the DRAM rate (samples with DRAM blocks wait for that rate)."""
+        xy = [(s, ms - (dram[1] * d if dram else 0.0)) for d, s, ms in self._ssd if dram or not d]
+        return theil_sen(xy) if len(xy) >= MIN_SAMPLES else None
+
+    # ---- what is measured ----------------------------------------------------------------
+
+    def planned(self, rid: str, blocks: int, ssd: int, *, load_async: bool) -> None:
+        """A request's load of ``blocks`` blocks was planned for the next step."""
+        loading = _Loading(blocks - ssd, ssd)
+        if load_async:
+            self._async_unsent[rid] = loading
+        else:
+            self._sync.dram += loading.dram
+            self._sync.ssd += loading.ssd
+
+    def step_built(self, step: int, tokens: int) -> None:
+        """Step ``step`` was handed to the workers: ``tokens`` to compute, and the loads
+        planned since the last step."""
+        now = time.monotonic()
+        for rid, loading in self._async_unsent.items():
+            loading.sent = now
+            self._async[rid] = loading
+        self._async_unsent.clear()
+        self._steps[step] = (tokens, self._sync)
+        self._sync = _Loading()
+        self._steps.pop(step - STEPS_KEPT, None)
+
+    def step_done(
+        self, step: int, forward_ms: float, load_wait_ms: float, block_size: int, failed: bool
+    ) -> None:
+        """Step ``step``'s times are back; ``failed``: some load in it failed (its wait
+        measured no load)."""
+        built = self._steps.pop(step, None)
+        if built is None:
+            return
+        tokens, loads = built
+        if tokens >= block_size:
+            self.compute.add(tokens, forward_ms)
+        if (loads.dram or loads.ssd) and not failed:
+            self._add_load(loads, load_wait_ms)
+
+    def async_done(self, rids: set[str], failed: set[str]) -> None:
+        """Async loads ended (``failed``: those of them that failed: not samples)."""
+        now = time.monotonic()
+        for rid in rids:
+            loading = self._async.pop(rid, None)
+            if loading is not None and rid not in failed:
+                self._add_load(loading, (now - loading.sent) * 1e3)
+
+    def forget(self, rid: str) -> None:
+        self._async.pop(rid, None)
+        self._async_unsent.pop(rid, None)
+
+    def _add_load(self, loads: _Loading, ms: float) -> None:
+        if loads.ssd:
+            self._ssd.append((loads.dram, loads.ssd, ms))
+        else:
+            self.dram.add(loads.dram, ms)

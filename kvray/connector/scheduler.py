@@ -476,6 +476,7 @@ class KVRayScheduler:
             self._preempted,
             self._step,
             self.info.space.generation,
+            idle=not any(scheduled.values()),
         )
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
@@ -549,6 +550,8 @@ class KVRayScheduler:
         return tuple(range(max(1, len(self.info.groups))))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if output.finished_recving:
+            self._timelines.async_loaded(output.finished_recving)
         times = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(times, StepTimes):
             self._timelines.step_times(times)

@@ -311,6 +311,10 @@ def test_async_loads_are_planned_as_such():
     s.alloc(req, [3, 4, 5, 6, 7], 64)
     meta = s.step()
     assert meta.loads == [] and [op.block_ids for op in meta.async_loads] == [(3, 4, 5, 6)]
+    # Nothing computes in that step (the worker may wait in it for the load); in the next,
+    # something does.
+    assert meta.idle
+    assert not s.step({"r1": 6}).idle
 
 
 def test_a_failed_lookup_is_a_miss_counted_as_lookup_error(caplog):

@@ -70,6 +70,17 @@ class RequestLine:
         return {name: getattr(self, name) for name in COUNTS}
 
 
+def groups_note(space: KeySpace) -> str:
+    """The keys line's tail: one copy across TP (MLA), a hybrid model's group count and
+    state groups."""
+    if space.tp_replicated:
+        return ", one copy across TP"
+    if space.kv_groups < 2:
+        return ""
+    states = f" (state {','.join(map(str, space.state_groups))})" if space.state_groups else ""
+    return f", kv_groups {space.kv_groups}{states}"
+
+
 def request_lines(log: str) -> list[RequestLine]:
     """Every per-request line in ``log``, in order."""
     out = []

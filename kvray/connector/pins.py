@@ -11,10 +11,17 @@ returns to vLLM's free queue only then, and no other request can write it meanwh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from kvray.connector.kv_groups import SLIDING, STATE
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
+
+    from kvray.connector.kv_groups import KVGroup
+    from kvray.connector.metadata import BlockOp
+    from kvray.warn_once import WarnOnce
 
 
 class BlockPins:
@@ -43,6 +50,25 @@ class BlockPins:
             pool.touch([pool.blocks[b] for b in block_ids])
             self._by_step.setdefault(step, []).extend(block_ids)
         return True
+
+    def pin_windows(
+        self, step: int, ops: list[BlockOp], groups: Sequence[KVGroup], warn_once: WarnOnce
+    ) -> list[BlockOp]:
+        """``ops`` of step ``step``, their sliding-window and state blocks (which vLLM frees
+        mid-request) held until their saves ended; without a block pool to hold them in,
+        those saves are dropped (said once), never sent over blocks vLLM may reuse."""
+        if len(groups) < 2:
+            return ops
+        windowed = [op for op in ops if groups[op.group].kind in (SLIDING, STATE)]
+        if self.pin(step, [b for op in windowed for b in op.block_ids]):
+            return ops
+        warn_once(
+            "no-block-pool",
+            "KVRayConnector: vLLM bound no block pool to the connector: sliding-window and "
+            "state blocks are not stored (a hit of this model then needs them from vLLM's "
+            "own cache)",
+        )
+        return [op for op in ops if groups[op.group].kind not in (SLIDING, STATE)]
 
     def release_through(self, step: int) -> None:
         """Drop the references of every step up to ``step`` (their saves ended)."""

@@ -177,3 +177,22 @@ def offered_states(
                 )
             )
     return ops
+
+
+def ended_in_error(request: Request) -> bool:
+    """Ended by an error (vLLM's ``FINISHED_ERROR``)."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ERROR
+
+
+def finished_normally(request: Request) -> bool:
+    """Ended by its own output (a stop, its length), in vLLM's handling of a step's output:
+    after that step's failed loads were known."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED),
+    )

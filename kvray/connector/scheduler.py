@@ -30,14 +30,19 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvray.connector import handshake
 from kvray.connector.attach import attach_pool
 from kvray.connector.calls import RayWaits, Waits
 from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
-from kvray.connector.kv_groups import SLIDING, STATE
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
-from kvray.connector.log_lines import KEYS_FORMAT, REQUEST_FORMAT, REQUEST_MISS_FORMAT
+from kvray.connector.log_lines import (
+    KEYS_FORMAT,
+    REQUEST_FORMAT,
+    REQUEST_MISS_FORMAT,
+    groups_note,
+)
 from kvray.connector.lookup import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.own_saves import OwnSaves
@@ -45,6 +50,8 @@ from kvray.connector.pd_params import PDParams
 from kvray.connector.pins import BlockPins
 from kvray.connector.request_state import (
     RequestState,
+    ended_in_error,
+    finished_normally,
     group_op,
     hash_bytes,
     offered_states,
@@ -55,7 +62,7 @@ from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
 from kvray.connector.worth import Worth
-from kvray.errors import ConfigError, KVRayError
+from kvray.errors import KVRayError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
 
@@ -67,39 +74,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvray.index.lookup import Place, Placement
-    from kvray.keys import KeySpace
     from kvray.launcher import PoolHandles
 
 logger = logging.getLogger(__name__)
-
-
-def _ended_in_error(request: Request) -> bool:
-    from vllm.v1.request import RequestStatus
-
-    return request.status == RequestStatus.FINISHED_ERROR
-
-
-def _finished_normally(request: Request) -> bool:
-    """Ended by its own output (a stop, its length), in vLLM's handling of a step's output:
-    after that step's failed loads were known."""
-    from vllm.v1.request import RequestStatus
-
-    return request.status in (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH_CAPPED,
-        getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED),
-    )
-
-
-def _groups_note(space: KeySpace) -> str:
-    """The keys line's tail: one copy across TP (MLA), a hybrid model's group count and
-    state groups."""
-    if space.tp_replicated:
-        return ", one copy across TP"
-    if space.kv_groups < 2:
-        return ""
-    states = f" (state {','.join(map(str, space.state_groups))})" if space.state_groups else ""
-    return f", kv_groups {space.kv_groups}{states}"
 
 
 class KVRayScheduler:
@@ -180,50 +157,26 @@ class KVRayScheduler:
     # ---- keys ----------------------------------------------------------------------------
 
     def use_handshake(self, metadata: Iterable[object]) -> None:
-        """The workers' block geometries (vLLM's handshake metadata, once, after they
-        registered their KV caches and before any request): part of every key, so
-        lookups ask for the keys the workers store."""
-        from kvray.connector.metadata import KVRayHandshake
-
-        ours = [m for m in metadata if isinstance(m, KVRayHandshake)]
-        if not ours:
-            raise ConfigError(
-                "KVRayConnector's scheduler received no block geometry from its workers (the "
-                "handshake metadata vLLM collected is another connector's: MultiConnector "
-                "passes on only its first connector's): list KVRayConnector first in "
-                "MultiConnector's connectors"
-            )
-        geometries: dict[int, str] = {}
-        places: dict[int, Place] = {}
-        for m in ours:
-            geometries.update(m.geometries)
-            places.update(m.places)
-        self._use_places(places)
-        self._use_policy({m.load_failure_policy for m in ours} - {""})
+        """The workers' handshake (:mod:`kvray.connector.handshake`): their block
+        geometries, part of every key, so lookups ask for the keys the workers store;
+        where each rank loads through; the load-failure policy vLLM applies."""
+        got = handshake.merged(metadata)
+        self._use_places(got.places)
+        self._use_policy(got.policy)
         space = self.info.space
-        full = tuple(geometries.get(r, "") for r in range(space.world_size * space.kv_groups))
-        self.info = replace(self.info, space=replace(space, geometries=full))
+        self.info = replace(self.info, space=handshake.with_geometries(space, got.geometries))
         self._lookups.space = self.info.space
-        if not self.info.space.complete:
-            missing = [r for r, g in enumerate(full) if not g]
-            raise ConfigError(
-                f"KVRayConnector's scheduler received the block geometry of ranks "
-                f"{sorted(geometries)} but not of {missing}: vLLM's handshake metadata missed "
-                "workers (kvray's bug, or a vLLM whose executor does not collect it)"
-            )
         logger.info(
             KEYS_FORMAT,
             space.namespace,
             space.layout,
-            ",".join(full),
-            _groups_note(space),
+            ",".join(self.info.space.geometries),
+            groups_note(space),
         )
 
-    def _use_policy(self, policies: set[str]) -> None:
-        """What vLLM does with this instance's failed loads, as its workers read it (the
-        top-level config's: :mod:`kvray.connector.load_policy`): warned about once when
-        it ends requests, and registered with the pool beside the hash fingerprint."""
-        policy = FAIL if FAIL in policies or not policies else policies.pop()
+    def _use_policy(self, policy: str) -> None:
+        """Warned about once when it ends requests, and registered with the pool beside the
+        hash fingerprint."""
         self.load_failure_policy = policy
         self._hashes.load_failure_policy = policy
         if policy == FAIL:
@@ -234,24 +187,25 @@ class KVRayScheduler:
             )
 
     def _use_places(self, places: dict[int, Place]) -> None:
-        """Where each rank's worker loads through (its node and slot): the SSD tier each
-        lookup asks for that rank's keys. Incomplete (a worker that sent none): lookups
-        ask this node's slot per rank, as for a one-node instance, said once."""
-        ranks = self.info.space.world_size
-        missing = [r for r in range(ranks) if r not in places]
-        if missing:
+        """The SSD tier each lookup asks for a rank's keys; incomplete, said once."""
+
+        def warn(missing: list[int]) -> None:
             self._warn_once(
                 "placement",
                 "KVRayConnector: the workers of ranks %s did not say where they run: SSD "
                 "lookups ask this node's slot per rank (as for a one-node instance)",
                 missing,
             )
-            return
-        self._placement = places = {r: places[r] for r in range(ranks)}
-        logger.info(
-            "KVRayConnector scheduler: SSD lookups ask, per rank, %s",
-            ", ".join(f"rank {r}: slot {p.slot} of node {p.node_id}" for r, p in places.items()),
-        )
+
+        self._placement = handshake.placement(places, self.info.space.world_size, warn)
+        if self._placement is not None:
+            logger.info(
+                "KVRayConnector scheduler: SSD lookups ask, per rank, %s",
+                ", ".join(
+                    f"rank {r}: slot {p.slot} of node {p.node_id}"
+                    for r, p in self._placement.items()
+                ),
+            )
 
     def _keys_known(self) -> bool:
         """Lookups need every rank's geometry; without it a lookup would ask for keys no
@@ -513,23 +467,7 @@ class KVRayScheduler:
         return True
 
     def _pin_windows(self, ops: list[BlockOp]) -> list[BlockOp]:
-        """``ops``, their sliding-window and state blocks (which vLLM frees mid-request)
-        held in vLLM's block pool until their saves ended (:mod:`kvray.connector.pins`);
-        without a block pool to hold them in, those saves are dropped (said once), never
-        sent over blocks vLLM may reuse."""
-        groups = self.info.groups
-        if len(groups) < 2:
-            return ops
-        windowed = [op for op in ops if groups[op.group].kind in (SLIDING, STATE)]
-        if self._pins.pin(self._step, [b for op in windowed for b in op.block_ids]):
-            return ops
-        self._warn_once(
-            "no-block-pool",
-            "KVRayConnector: vLLM bound no block pool to the connector: sliding-window and "
-            "state blocks are not stored (a hit of this model then needs them from vLLM's "
-            "own cache)",
-        )
-        return [op for op in ops if groups[op.group].kind not in (SLIDING, STATE)]
+        return self._pins.pin_windows(self._step, ops, self.info.groups, self._warn_once)
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         self._pins.bind(pool)
@@ -603,11 +541,11 @@ class KVRayScheduler:
         self._worth.forget(rid)
         self._lookups.report(now=True)  # the pool's counters include a finished request
         st = self._reqs.pop(rid, None)
-        if st is not None and self.info.can_save and not _ended_in_error(request):
+        if st is not None and self.info.can_save and not ended_in_error(request):
             # Saves held for loads not yet known good. vLLM finishes a request only once
             # its loads did not fail (a failed one is recomputed first), so they are good
             # now; one aborted meanwhile may still sit on a failed load: dropped.
-            held = () if _finished_normally(request) else self._unverified
+            held = () if finished_normally(request) else self._unverified
             states = self.info.space.state_groups
             late = plan_saves({rid: st}, (rid,), self.block_size, held, states)
             self._late_saves += self._pin_windows(late)
@@ -618,7 +556,7 @@ class KVRayScheduler:
         if st is None:
             self._release_blocks(rid, block_ids)
             return False, None
-        if st.pool_blocks and _ended_in_error(request):
+        if st.pool_blocks and ended_in_error(request):
             # reported with this step's failed loads (update_connector_output)
             self._errored[rid] = (st, len(request.block_hashes), list(block_ids))
         else:

@@ -100,6 +100,17 @@ def tiny_gemma3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def deep_gemma3(tmp_path_factory):
+    """The tiny Gemma 3 with eight layers: vLLM's hybrid allocator makes four KV cache
+    groups of two layers each (three sliding-window, one full); built once per run."""
+    from kvray.testing.tiny_model import build_tiny_gemma3
+
+    return built_once(
+        tmp_path_factory, "tiny-gemma3-deep", lambda path: build_tiny_gemma3(path, num_layers=8)
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory):
     """The tiny Qwen3-Next (Gated DeltaNet and full-attention layers: state groups beside
     an attention group), built once per run; vLLM runs it in bfloat16."""

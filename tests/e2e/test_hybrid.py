@@ -246,3 +246,32 @@ def test_layerwise_saves_of_a_hybrid_model_load_in_an_engine_without(
     out = engines.get(spec(tiny_gemma3, "shared")).generate([p], max_tokens=16)
     assert out["outputs"] == [want]
     pool_hit(out["lines"][0], 3)
+
+
+@pytest.mark.parametrize("parts", [2, 1])
+def test_layerwise_with_several_layers_per_kv_cache_group(
+    pool, engines, deep_gemma3, request, parts
+):
+    """``use_layerwise`` on an eight-layer Gemma 3 (four KV cache groups of two layers):
+    with ``layerwise_groups`` 2 each group's layers are stored one per key, each sent as
+    its layer's hook completes; with 1 each group goes whole after its last layer. The
+    repeat, the engine's own cache emptied, loads every block from the pool: the tokens of
+    an engine without a connector."""
+    p = own_prompts(request, 3 * BLOCK + 20, salt=f"deep-layerwise-{parts}")
+    reference = engines.get(spec(deep_gemma3, None))
+    (want,) = reference.generate([p], max_tokens=16)["outputs"]
+    conn = _connector(
+        kv_placement="staged",
+        model_namespace=f"{NAMESPACE}-deep",
+        use_layerwise=True,
+        layerwise_groups=parts,
+    )
+    eng = engines.get({**spec(deep_gemma3, "staged"), "connector": {**conn, "policy": "recompute"}})
+    assert eng.call(op="kv_cache_groups")["groups"] == GROUPS
+    first = eng.generate([p], max_tokens=16)
+    assert first["outputs"] == [want]
+    assert (first["lines"][0]["hit_pool"], first["lines"][0]["saved"]) == (0, 3), first["lines"]
+    assert f"layer-wise saves of 4 KV cache groups, {parts} layer groups each" in eng.log()
+    again = eng.generate([p], max_tokens=16)
+    assert again["outputs"] == [want]
+    pool_hit(again["lines"][0], 3)

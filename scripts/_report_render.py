@@ -252,7 +252,31 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
                 f"Probes (of {reps}) that found less than the prefix cached (the seed's saves "
                 "still in flight): " + "; ".join(shorts) + ".\n\n"
             )
+    cpu = [c for c in configs if f"cpu_{c}" in rows[-1]]
+    if cpu:
+        notes += _cpu_table(rows, cpu) + "\n\n"
     return table(header, out) + "\n\n" + notes + measured_at(results, names)
+
+
+def _cpu_table(rows: Sequence[dict[str, Any]], configs: Sequence[str]) -> str:
+    """A back-to-back run's CPU (``scripts/_cpu.py``): each configuration's CPU time per
+    turn over no connector's, and that per GB kvray's pool moved."""
+    header = ["input", "hit", "GB moved"]
+    header += [f"{LABELS[c]} CPU ms over no connector" for c in configs]
+    header += [f"{LABELS[c]} CPU s per GB" for c in configs]
+    out = []
+    for r in rows:
+        row = [str(r["input_tokens"]), f"{r['hit_rate']:.0%}", f(r.get("moved_gb"), 3)]
+        row += [f(r[f"cpu_{c}"]["extra_cpu_ms"], 0) for c in configs]
+        row += [f(r[f"cpu_{c}"]["cpu_s_per_gb"], 2) for c in configs]
+        out.append(row)
+    return (
+        "CPU time per turn (seed and probe, user + system of every process below the "
+        "benchmark: the engines, Ray, the pool's actors, the masters), median over reps of "
+        "each configuration's minus no connector's in the same rep; per GB: that over the "
+        "bytes kvray's pool stored and loaded in the turn (the same prompts' bytes for "
+        "every configuration).\n\n" + table(header, out)
+    )
 
 
 def _paired_label(key: str) -> str:

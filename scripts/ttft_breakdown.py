@@ -103,10 +103,12 @@ def main() -> int:
     parser.add_argument("--placement", choices=("shared", "staged"), default="shared")
     parser.add_argument(
         "--family",
-        choices=("llama", "gemma3"),
+        choices=("llama", "gemma3", "qwen3_next"),
         default="llama",
-        help="the model's family (gemma3: sliding-window groups beside full attention, "
-        "loaded asynchronously, as kvray must for such models)",
+        help="the model's family (gemma3: sliding-window groups beside full attention; "
+        "qwen3_next: Gated DeltaNet state groups, bfloat16, kvray's engine with vLLM's "
+        "prefix cache on and emptied before each probe, as bench_ttft runs it; both loaded "
+        "asynchronously, as kvray must for such models)",
     )
     parser.add_argument(
         "--lookup-index",
@@ -131,11 +133,15 @@ def main() -> int:
     settings: dict[str, Any] = {"lookup_index": False} if args.actor_lookups else {}
     pool, ray_address = start_bench_pool(**settings)
     env = engine_env(tmp, ray_address)
-    base = {"model": model, "max_len": max(lengths) + 16}
+    base: dict[str, Any] = {"model": model, "max_len": max(lengths) + 16}
+    states = args.family == "qwen3_next"  # (vLLM keeps states per block with its cache on)
+    if states:
+        base["dtype"] = "bfloat16"
     specs = {
         "local": {**base, "prefix_caching": True},
         "kvray": {
             **base,
+            "prefix_caching": states,
             "timelines": True,
             "kv_transfer_config": kvray_transfer_config(
                 {
@@ -154,11 +160,18 @@ def main() -> int:
         # (a sliding-window model's own prefix cache keeps only the window before the seed's
         # end: the ideal's hit needs the seed to end at the prefix, as in bench_ttft)
         tail = 1 if hybrid else None
-        schedule = interleaved(["local", "kvray"], lengths, rates, args.reps, BLOCK, seed_tail=tail)
+        block = BLOCK
+        if states:  # (vLLM grows it so an attention page holds a state)
+            block = int(engines["kvray"].call(op="block_size")["block_size"])
+            engines["kvray"].pause()
+        schedule = interleaved(["local", "kvray"], lengths, rates, args.reps, block, seed_tail=tail)
         for done, (length, rate, rep, _, seed, probe, order) in enumerate(schedule, 1):
             got = samples.setdefault((length, rate), {"local": [], "kvray": []})
             for name in order:
-                ans = engines[name].turn(seed, probe, back_to_back=args.back_to_back)
+                reset_own = states and name == "kvray"
+                ans = engines[name].turn(
+                    seed, probe, back_to_back=args.back_to_back, reset_own=reset_own
+                )
                 ttft_ms = ans["ttft_s"] * 1e3
                 if name == "local":
                     got["local"].append(ttft_ms)
@@ -210,6 +223,7 @@ def main() -> int:
         reps=args.reps,
         placement=args.placement,
         lookup_index=not args.actor_lookups,
+        **({"family": args.family} if hybrid else {}),
         **(
             {
                 "probe": "back to back: sent as soon as its seed returned (a miss's seed: "

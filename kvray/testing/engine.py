@@ -72,6 +72,7 @@ The first line a live engine writes is ``{"ready": true}`` once it is up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,6 +186,7 @@ class LiveEngine:
         return request_counts(self.log())
 
     def close(self) -> None:
+        left = _vllm_shm(self.proc.pid) if self.proc.poll() is None else set()
         if self.proc.poll() is None:
             try:
                 self.call(op="quit")
@@ -192,7 +194,37 @@ class LiveEngine:
             except Exception:  # noqa: BLE001 - a stuck engine is killed below
                 self.proc.kill()
                 self.proc.wait()
+        # vLLM unlinks these as its objects are collected, which an engine that ends in
+        # os._exit (a forked one, a killed one) skips: its TP workers' all-reduce buffers
+        # (vllm_dist_*) and its queues (psm_*) stay in /dev/shm unless removed here.
+        for path in left:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         self._log.close()
+
+
+def _vllm_shm(pid: int) -> set[Path]:
+    """vLLM's shared-memory files (``psm_*``, ``vllm_dist_*``) mapped by process ``pid``
+    and its descendants (an engine and its workers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return set()
+    found: set[Path] = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            for m in proc.memory_maps(grouped=True):
+                path = Path(m.path)
+                if m.path.startswith("/dev/shm/") and path.name.startswith(VLLM_SHM):
+                    found.add(path)
+    return found
+
+
+VLLM_SHM = ("psm_", "vllm_dist_")
+"""The prefixes of vLLM's own /dev/shm files (message queues, CPU all-reduce buffers)."""
 
 
 def _child_env(env: dict[str, str], spec: dict[str, Any]) -> dict[str, str]:

@@ -27,7 +27,8 @@ LOOKUP_REASONS = {
 LOAD_REASONS = {
     "gone_at_load": "a hit at lookup, gone at load (its read lease expired and it was "
     "evicted, or it was removed)",
-    "load_failed": "a hit whose load failed (transfer error or timeout)",
+    "load_failed": "a hit whose load failed (transfer error or timeout); at lookup, the "
+    "blocks a retried request does not take again after its load of them failed",
     "corrupt": "a hit whose bytes failed their checksum on load (the block is removed)",
 }
 REASONS = {**LOOKUP_REASONS, **LOAD_REASONS}

@@ -52,7 +52,7 @@ class BlockPins:
         return True
 
     def pin_windows(
-        self, step: int, ops: list[BlockOp], groups: Sequence[KVGroup], warn_once: WarnOnce
+        self, step: int, groups: Sequence[KVGroup], warn_once: WarnOnce, ops: list[BlockOp]
     ) -> list[BlockOp]:
         """``ops`` of step ``step``, their sliding-window and state blocks (which vLLM frees
         mid-request) held until their saves ended; without a block pool to hold them in,

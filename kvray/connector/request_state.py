@@ -40,6 +40,9 @@ class RequestState:
     saves_issued: bool = False
     saved_blocks: int = 0
     load_failed_blocks: int = 0
+    failed_from: int | None = None
+    """The first block whose load failed (vLLM recomputes from there): a later lookup of
+    this request takes no hit from it on."""
     earlier: tuple[int, int, int] = (0, 0, 0)
     """(hit, loaded, failed) pool blocks of earlier admissions of this request (a failed
     load or a preemption sends it through lookup again)."""
@@ -53,6 +56,12 @@ class RequestState:
     def block_ids(self) -> list[int]:
         """The first KV cache group's block ids (a model of one group: its blocks)."""
         return self.group_ids[0] if self.group_ids else []
+
+    def failed_at(self, block: int) -> None:
+        """Its load failed from ``block`` on (vLLM recomputes from there): those blocks are
+        stored again, and a later lookup of it takes no hit from there on."""
+        self.next_save = min(self.next_save, block)
+        self.failed_from = block if self.failed_from is None else min(self.failed_from, block)
 
     def set_blocks(self, ids: tuple[list[int], ...] | list[list[int]]) -> None:
         self.group_ids = [list(g) for g in ids]

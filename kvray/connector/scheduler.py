@@ -280,7 +280,7 @@ class KVRayScheduler:
         answer = self._lookups.poll(rid, pending, wait=not self._engine_busy)
         if answer is None:
             return self._wait_a_step(request)
-        why = answer.miss
+        why, capped, refused = answer.miss, 0, 0
         if pending.timed_out:
             self._clock(request).timeline.lookup_timed_out = True
             hit = 0
@@ -297,10 +297,12 @@ class KVRayScheduler:
                 reported = pending.first_block + pending.want
                 self._pd.blocks_missing(rid, reported, pending.first_block + leading)
             hit = max(0, pending.first_block + leading - local)
+            failed = self._reqs[rid].failed_from if rid in self._reqs else None
+            if failed is not None and local + hit > failed:  # (the index may lag behind)
+                capped, hit = local + hit - max(failed, local), max(0, failed - local)
         # (a PD decode loads what its prefill computed for it, whatever the rates)
-        refused = 0
         if hit and not pending.want and not self._worth_loading(hit, min(answer.ssd, hit)):
-            refused, hit, why = hit, 0, "not_worth_loading"
+            refused, hit = hit, 0
         clock = self._clock(request)
         clock.timeline.lookup_answered_ms = clock.now_ms()
         clock.timeline.admitted_ms = clock.timeline.lookup_answered_ms
@@ -308,11 +310,14 @@ class KVRayScheduler:
         self.stats.add("lookups")
         self.stats.add("lookup_blocks", n - local)
         self.stats.add("lookup_hit_blocks", hit)
-        if refused:  # the blocks after them keep the index's reason
-            self.stats.add(miss_counter(why), refused)
-            self._lookups.count(miss_counter(why), refused)
-        if n - local > hit + refused:
-            self.stats.add(miss_counter(answer.miss or "not_stored"), n - local - hit - refused)
+        for reason, count in (("load_failed", capped), ("not_worth_loading", refused)):
+            if count:  # (the blocks after them keep the index's reason)
+                self.stats.add(miss_counter(reason), count)
+                self._lookups.count(miss_counter(reason), count)
+                why = reason
+        if n - local > hit + refused + capped:
+            rest = n - local - hit - refused - capped
+            self.stats.add(miss_counter(answer.miss or "not_stored"), rest)
         # A full hit still leaves the last token to compute: vLLM needs one new token.
         hit_tokens = min((local + hit) * self.block_size, request.num_tokens - 1)
         external = max(0, hit_tokens - num_computed_tokens)
@@ -359,6 +364,7 @@ class KVRayScheduler:
 
     def _admit(self, st: RequestState) -> None:
         prev = self._reqs.get(st.request.request_id)
+        st.failed_from = prev.failed_from if prev is not None else None
         # Only an admission that got blocks happened; one whose allocation failed is redone.
         if prev is not None and prev.block_ids:
             st.earlier = prev.totals()
@@ -409,7 +415,7 @@ class KVRayScheduler:
             states = self.info.space.state_groups
             planned = plan_saves(self._reqs, scheduled, self.block_size, self._unverified, states)
             planned += offered_states(self._reqs, scheduler_output, self.block_size)
-            saves += self._pin_windows(planned)
+            saves += self._pins.pin_windows(self._step, self.info.groups, self._warn_once, planned)
             if self._describer is not None:
                 first_group = [op for op in planned if op.group == 0]
                 self._describer.describe(first_group, self._reqs, self.info.space)
@@ -466,9 +472,6 @@ class KVRayScheduler:
         )
         return True
 
-    def _pin_windows(self, ops: list[BlockOp]) -> list[BlockOp]:
-        return self._pins.pin_windows(self._step, ops, self.info.groups, self._warn_once)
-
     def bind_block_pool(self, pool: BlockPool) -> None:
         self._pins.bind(pool)
 
@@ -507,7 +510,7 @@ class KVRayScheduler:
             st = self._reqs.get(rid)
             if st is not None:  # vLLM recomputes it from its first token (or fails it)
                 st.load_failed_blocks += st.pool_blocks
-                st.next_save = st.local_blocks
+                st.failed_at(st.local_blocks)
         for rid in output.finished_sending or ():
             self._awaiting_frees.discard(rid)
         for block_id in output.invalid_block_ids or ():
@@ -517,9 +520,8 @@ class KVRayScheduler:
                 self._errored[owner][0].load_failed_blocks += 1
             elif st is not None:
                 st.load_failed_blocks += 1
-                # vLLM recomputes from the first failed block: store those blocks again.
-                if block_id in st.block_ids:
-                    st.next_save = min(st.next_save, st.block_ids.index(block_id))
+                if block_id in st.block_ids:  # vLLM recomputes from the first failed one
+                    st.failed_at(st.block_ids.index(block_id))
         self._report_finished()
 
     def request_finished_all_groups(
@@ -548,7 +550,9 @@ class KVRayScheduler:
             held = () if finished_normally(request) else self._unverified
             states = self.info.space.state_groups
             late = plan_saves({rid: st}, (rid,), self.block_size, held, states)
-            self._late_saves += self._pin_windows(late)
+            self._late_saves += self._pins.pin_windows(
+                self._step, self.info.groups, self._warn_once, late
+            )
             if self._describer is not None:
                 first_group = [op for op in late if op.group == 0]
                 self._describer.describe(first_group, {rid: st}, self.info.space)

@@ -388,6 +388,31 @@ def test_failed_loads_reach_the_request_line(caplog):
     )
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["failed-block", "failed-request"])
+def test_a_request_whose_load_failed_takes_no_hit_there_again(hybrid):
+    """A retried request (vLLM sends an async load's request through lookup again) takes
+    no hit from the block whose load failed, though the pool still answers it: the node's
+    index may not show it gone yet, and a second load would fail the same way."""
+    s = Sched(load_async=True)
+    s.lookup.answer = answered(4)
+    req = s.request("r1", 70)
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    s.alloc(req, [10, 11, 12, 13, 14], 64)
+    s.step()
+    if hybrid:  # a hybrid model's load fails per request, from its first pool block
+        out = KVConnectorOutput(finished_recving={"r1"}, failed_recving={"r1"})
+        expect = 0
+    else:  # one block's: vLLM recomputes from there
+        out = KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids={12})
+        expect = 32
+    s.sched.update_connector_output(out)
+    misses = s.stat("miss_load_failed")
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # asked again
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (expect, expect > 0)
+    assert s.stat("miss_load_failed") == misses + 4 - expect // 16
+    assert s.sched._reqs["r1"].miss == "load_failed"
+
+
 def test_a_fingerprint_mismatch_is_named_once(caplog):
     s = Sched()
     mine = current_fingerprint("sha256")

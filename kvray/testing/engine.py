@@ -223,6 +223,20 @@ def _vllm_shm(pid: int) -> set[Path]:
     return found
 
 
+def _vllm_shm_files() -> set[Path]:
+    return {p for p in Path("/dev/shm").glob("*") if p.name.startswith(VLLM_SHM)}
+
+
+def _unmapped(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` no live process maps (an engine still running beside this one,
+    another test's, maps its own)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {ln.split()[-1] for ln in maps.read_text().splitlines() if "/dev/shm/" in ln}
+    return {p for p in paths if str(p) not in mapped}
+
+
 VLLM_SHM = ("psm_", "vllm_dist_")
 """The prefixes of vLLM's own /dev/shm files (message queues, CPU all-reduce buffers)."""
 
@@ -275,6 +289,7 @@ def run_once(
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     log_path = tmp / f"{name}.log"
+    before = _vllm_shm_files()
     with log_path.open("w") as log:
         proc = _start([str(spec_path), str(out_path)], env, spec, tmp, fork, log, stdout=log)
     assert proc.stdin is not None
@@ -284,6 +299,9 @@ def run_once(
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait(30)
+    for path in _unmapped(_vllm_shm_files() - before):  # (as LiveEngine.close: os._exit)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
     printed = log_path.read_text(errors="replace")
     if rc != 0 or not out_path.exists():
         return None, printed

@@ -227,7 +227,7 @@ def _vllm_shm_files() -> set[Path]:
     return {p for p in Path("/dev/shm").glob("*") if p.name.startswith(VLLM_SHM)}
 
 
-def _unmapped(paths: set[Path]) -> set[Path]:
+def unmapped_shm(paths: set[Path]) -> set[Path]:
     """Those of ``paths`` no live process maps (an engine still running beside this one,
     another test's, maps its own)."""
     mapped: set[str] = set()
@@ -299,7 +299,7 @@ def run_once(
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait(30)
-    for path in _unmapped(_vllm_shm_files() - before):  # (as LiveEngine.close: os._exit)
+    for path in unmapped_shm(_vllm_shm_files() - before):  # (as LiveEngine.close: os._exit)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     printed = log_path.read_text(errors="replace")

@@ -14,7 +14,6 @@ engines do:
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -134,12 +133,10 @@ def psm_left_behind(before: set[str]) -> set[str]:
     """vLLM's ``/dev/shm/psm_*`` queues made since ``before`` that no live process maps:
     left behind by servers that are gone. (Those of servers still running, another
     xdist worker's included, are mapped by them.)"""
+    from kvray.testing.engine import unmapped_shm
+
     new = set(glob.glob("/dev/shm/psm_*")) - before  # first: one made later is not ours
-    mapped: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError), open(maps) as f:
-            mapped |= {ln.split()[-1] for ln in f if "/dev/shm/psm_" in ln}
-    return new - mapped
+    return {str(p) for p in unmapped_shm({Path(p) for p in new})}
 
 
 def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:

@@ -124,7 +124,7 @@ def column_salt(prefix: str) -> np.uint64:
     return np.uint64(int.from_bytes(digest, "little"))
 
 
-def digests(salt: np.uint64, folded: np.ndarray) -> np.ndarray:
+def digests(salt: np.uint64 | np.ndarray, folded: np.ndarray | np.uint64) -> np.ndarray:
     """Key digests of one column's blocks (never :data:`EMPTY` or :data:`DELETED`)."""
     d = _mix(folded ^ salt)
     return np.where(d <= DELETED, d + np.uint64(2), d)
@@ -142,9 +142,14 @@ def key_digests(keys: Iterable[str]) -> np.ndarray:
         idx, tails = groups.setdefault(k[:cut], ([], []))
         idx.append(i)
         tails.append(k[cut:])
+    own: list[int] = []
+    """Keys that are their own column: digested together below."""
     for prefix, (idx, tails) in groups.items():
+        if not prefix:
+            own += idx
+            continue
         length = len(tails[0])
-        if prefix and length and not length % 2 and all(len(t) == length for t in tails):
+        if length and not length % 2 and all(len(t) == length for t in tails):
             try:  # one column's keys (what a put holds): one parse of all their hashes
                 raw = np.frombuffer(bytes.fromhex("".join(tails)), np.uint8)
             except ValueError:
@@ -153,17 +158,22 @@ def key_digests(keys: Iterable[str]) -> np.ndarray:
                 out[idx] = digests(_salt(prefix), _fold_rows(raw.reshape(len(tails), -1)))
                 continue
         for i, tail in zip(idx, tails, strict=True):
-            out[i] = _key_digest(prefix, tail)
+            try:
+                block = bytes.fromhex(tail)
+            except ValueError:
+                block = b""
+            if block:
+                out[i] = digests(_salt(prefix), fold_hashes([block]))[0]
+            else:
+                own.append(i)
+    if own:
+        salts = np.fromiter((column_salt(keys[i]) for i in own), dtype=np.uint64, count=len(own))
+        out[own] = digests(salts, _EMPTY_FOLD)
     return out
 
 
-def _key_digest(prefix: str, tail: str) -> np.uint64:
-    try:
-        block = bytes.fromhex(tail) if prefix else b""
-    except ValueError:
-        block = b""
-    column = prefix if block else prefix + tail
-    return np.uint64(digests(_salt(column), fold_hashes([block]))[0])
+_EMPTY_FOLD = fold_hashes([b""])[0]
+"""The fold of an empty block hash (a key that is its own column)."""
 
 
 @dataclass(frozen=True, slots=True)

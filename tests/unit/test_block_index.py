@@ -20,6 +20,9 @@ from kvray.index.block_index import (
     MAX_PLACES,
     MAX_PROBES,
     BlockIndex,
+    column_salt,
+    digests,
+    fold_hashes,
     key_digests,
     space_digests,
 )
@@ -74,6 +77,21 @@ def test_pool_api_keys_are_their_own_column():
     d = key_digests(keys)
     assert len(set(d.tolist())) == len(keys)
     assert (key_digests(keys) == d).all()
+
+
+def test_a_batchs_digests_are_each_keys_own():
+    """Keys digested together (one column's hashes at once, the keys that are their own
+    column at once) read as each digested alone, whatever else the batch holds."""
+    space = KeySpace("ns", LAYOUT)
+    hs = [bytes([i]) * 32 for i in range(5)]
+    keys = [f"kv-{i}" for i in range(50)] + space.lookup_key_strs(hs)
+    keys += ["a@", "a@zz", "a@0g", "x@ab", "x@abcd", "x@abc", "", "@", "@ff", "p@q@ff00"]
+    together = key_digests(keys)
+    alone = [int(key_digests([k])[0]) for k in keys]
+    assert together.tolist() == alone
+    assert len(set(alone)) == len(keys)
+    own = digests(column_salt("kv-7"), fold_hashes([b""]))
+    assert together[7] == own
 
 
 def test_reader_in_another_process_sees_what_the_keeper_wrote(index, tmp_path):

@@ -75,6 +75,21 @@ class TransferBatch:
         sums: np.ndarray = self.lengths.sum(axis=1)
         return sums
 
+    def join(self, other: TransferBatch) -> TransferBatch:
+        """This batch's keys, then ``other``'s (same region, as many pieces per key)."""
+        if other.region != self.region or other.offsets.shape[1] != self.offsets.shape[1]:
+            raise RegionError(
+                "TransferBatch.join: batches of one region with as many pieces per key only "
+                f"({self.region.region_id}: {self.offsets.shape[1]}, "
+                f"{other.region.region_id}: {other.offsets.shape[1]})"
+            )
+        return TransferBatch(
+            self.region,
+            self.keys + other.keys,
+            np.concatenate([self.offsets, other.offsets]),
+            np.concatenate([self.lengths, other.lengths]),
+        )
+
     def take(self, indices: Sequence[int]) -> TransferBatch:
         """The batch of keys ``indices`` (e.g. the DRAM misses a lower tier should load)."""
         idx = np.asarray(indices, dtype=np.int64)

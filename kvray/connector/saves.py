@@ -27,6 +27,8 @@ from kvray.errors import KVRayError
 from kvray.warn_once import WarnOnce
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvray.connector.calls import Transfers, Waits
     from kvray.connector.metadata import BlockOp
     from kvray.connector.region import KVRegion, PartWork
@@ -65,8 +67,9 @@ class _Put:
     blocks: int
     counts_blocks: bool
     """Blocks are counted once, by the put of part 0; bytes by each part's columns."""
-    row_bytes: int
-    """Bytes per block in this put (its part's columns)."""
+    key_bytes: np.ndarray
+    """Bytes of each key of this put (its part's columns; a hybrid model's put may hold
+    several KV cache groups' keys)."""
     step: int
     """The scheduler step whose metadata asked for it."""
 
@@ -116,8 +119,9 @@ class Saver:
     def _send(self, ops: list[BlockOp], batch: TransferBatch, *, counts_blocks: bool) -> Call[Any]:
         rids = [op.req_id for op in ops]
         call = self._store.put(batch)
-        row = int(batch.lengths[0].sum()) if len(batch) else 0
-        self._puts[id(call)] = _Put(call, rids, len(batch), counts_blocks, row, self._step_no)
+        self._puts[id(call)] = _Put(
+            call, rids, len(batch), counts_blocks, batch.key_nbytes(), self._step_no
+        )
         for rid in rids:
             self._puts_of[rid].add(id(call))
         return call
@@ -169,9 +173,12 @@ class Saver:
 
     def _account(self, put: _Put) -> None:
         del self._puts[id(put.call)]
+        stored = 0
         try:
             statuses = put.call.result(None)
             ok = sum(s is KeyStatus.OK for s in statuses)
+            nbytes = put.key_bytes.tolist()
+            stored = sum(n for n, s in zip(nbytes, statuses, strict=True) if s is KeyStatus.OK)
             if ok < len(statuses):  # the pool lacks these blocks: say why, once per kind
                 failed = sorted({s.value for s in statuses if s is not KeyStatus.OK})
                 self._warn(tuple(failed), "rank %d: %d of %d blocks not stored: %s", self._rank,
@@ -182,7 +189,7 @@ class Saver:
         if put.counts_blocks:
             self._stats.add("saved_blocks", ok)
             self._stats.add("save_failed_blocks", put.blocks - ok)
-        self._stats.add("saved_bytes", ok * put.row_bytes)
+        self._stats.add("saved_bytes", stored)
         for rid in put.req_ids:
             ids = self._puts_of.get(rid)
             if ids is not None:

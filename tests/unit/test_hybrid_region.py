@@ -114,27 +114,31 @@ def test_each_groups_batch_reads_its_own_layers_bytes_under_its_own_keys(shared)
     region, shm, caches = shared
     (chunk,) = region.chunks(OPS)
     assert [op.group for op in chunk] == [0, 0, 1]  # sorted by group, stable
-    batches = region.batches(chunk)
-    assert len(batches) == 2
+    # one batch, one call: group 0's keys, then group 1's (as many pieces per key)
+    (batch,) = region.batches(chunk)
     space = region.info.space
     base = [caches[n].data_ptr() - shm.base_ptr for n in NAMES]
     buf = shm.array
-    for g, (lo, hi), batch in zip((0, 1), region.kv_cols, batches, strict=True):
+    at = 0
+    for g, (lo, hi) in zip((0, 1), region.kv_cols, strict=True):
         run = [op for op in chunk if op.group == g]
         hashes = [h for op in run for h in op.block_hashes]
         ids = [b for op in run for b in op.block_ids]
-        assert batch.keys == tuple(space.rank_key_strs(hashes, 0, kv_group=g))
+        rows = slice(at, at + len(ids))
+        at += len(ids)
+        assert batch.keys[rows] == tuple(space.rank_key_strs(hashes, 0, kv_group=g))
         want_offsets = [[base[c] + b * PAGE for c in range(lo, hi)] for b in ids]
-        assert batch.offsets.tolist() == want_offsets
+        assert batch.offsets[rows].tolist() == want_offsets
         nbytes = ATTN_BYTES if g == 0 else STATE_BYTES
-        assert batch.lengths.tolist() == [[nbytes] * (hi - lo)] * len(ids)
+        assert batch.lengths[rows].tolist() == [[nbytes] * (hi - lo)] * len(ids)
         # the bytes at those places are the group's layers' blocks
-        for row, b in enumerate(ids):
+        for row, b in zip(range(rows.start, rows.stop), ids, strict=True):
             got = b"".join(
                 buf[o : o + n].tobytes()
                 for o, n in zip(batch.offsets[row], batch.lengths[row], strict=True)
             )
             assert got == b"".join(_block(caches[NAMES[c]], b) for c in range(lo, hi))
+    assert at == len(batch)
     # the two groups' keys of one hash differ (their geometries name the group)
     h = [OPS[0].block_hashes[0]]
     assert space.rank_key_strs(h, 0, kv_group=0) != space.rank_key_strs(h, 0, kv_group=1)
@@ -204,15 +208,16 @@ def test_gather_fills_only_the_ops_groups_columns(staged):
         for c in range(len(NAMES)):
             want = _block(caches[NAMES[c]], b) if lo <= c < hi else sentinel[c]
             assert slots[slot][c] == want, (slot, c)
-    # the batches name those slots' group columns under the group's keys
-    batches = region.batches(chunk, first)
-    assert [len(b.keys) for b in batches] == [3, 1]
-    assert batches[1].keys == tuple(
+    # the batch names those slots' group columns under the group's keys (one batch:
+    # group 0's three keys, then group 1's)
+    (batch,) = region.batches(chunk, first)
+    assert len(batch) == 4
+    assert batch.keys[3:] == tuple(
         region.info.space.rank_key_strs([OPS[1].block_hashes[0]], 0, kv_group=1)
     )
     offsets, _ = region.stager.offsets(first, 4)
-    assert batches[0].offsets.tolist() == offsets[:3, :PAIRS].tolist()
-    assert batches[1].offsets.tolist() == offsets[3:, PAIRS:].tolist()
+    assert batch.offsets[:3].tolist() == offsets[:3, :PAIRS].tolist()
+    assert batch.offsets[3:].tolist() == offsets[3:, PAIRS:].tolist()
 
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [0, 1, 2]])
@@ -273,15 +278,16 @@ def test_a_scatter_through_the_wrong_groups_columns_is_seen(staged):
     assert any(_block(caches[n], 4)[STATE_BYTES:] != before[n][STATE_BYTES:] for n in ATTN_NAMES)
 
 
-def test_interleaved_ops_are_one_batch_per_run_of_one_group(shared):
-    """``ops`` not sorted by group (a caller that skipped :meth:`chunks`): one batch per
-    run, each under its group's keys; statuses still come back in op order."""
+def test_interleaved_ops_keep_their_order_each_under_its_groups_keys(shared):
+    """``ops`` not sorted by group (a caller that skipped :meth:`chunks`): each run under
+    its group's keys, in op order, so statuses come back in op order."""
     region, _, _ = shared
-    batches = region.batches(OPS)  # groups 0, 1, 0
+    (batch,) = region.batches(OPS)  # groups 0, 1, 0
     space = region.info.space
-    assert [b.keys for b in batches] == [
-        tuple(space.rank_key_strs(op.block_hashes, 0, kv_group=op.group)) for op in OPS
-    ]
+    assert batch.keys == tuple(
+        k for op in OPS for k in space.rank_key_strs(op.block_hashes, 0, kv_group=op.group)
+    )
+
 
 
 # ---- layer-wise ------------------------------------------------------------------------

@@ -120,6 +120,22 @@ def test_multi_piece_batch(region):
     assert list(batch.key_nbytes()) == [512, 512]
 
 
+def test_joined_batches_are_one_after_the_other_and_only_of_one_shape(region):
+    two = TransferBatch(region.spec, ("a", "b"), np.array([[0, 1024], [512, 1536]]),
+                        np.full((2, 2), 256))  # fmt: skip
+    one = TransferBatch(region.spec, ("c",), np.array([[2048, 3072]]), np.full((1, 2), 128))
+    both = two.join(one)
+    assert both.keys == ("a", "b", "c")
+    assert both.offsets.tolist() == [[0, 1024], [512, 1536], [2048, 3072]]
+    assert list(both.key_nbytes()) == [512, 512, 256]
+    single = TransferBatch.contiguous(region.spec, ["d"], [0], [8])
+    with pytest.raises(RegionError, match="as many pieces per key"):
+        two.join(single)
+    other = dataclasses.replace(region.spec, region_id="other")
+    with pytest.raises(RegionError, match="one region"):
+        two.join(TransferBatch(other, ("e",), np.array([[0, 8]]), np.full((1, 2), 8)))
+
+
 class SlowRegisterBackend:
     """FAKE backend for RankStore: registration yields to the event loop (as a real
     client's does), puts only record where they would read from."""

@@ -31,8 +31,8 @@ from __future__ import annotations
 import abc
 import ctypes
 import enum
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,16 +109,43 @@ def _copy(value: int, ptrs: Sequence[int], sizes: Sequence[int], *, into_value: 
         at += count * size
 
 
-Check = Callable[[int, int, list["KeyStatus"]], list["KeyStatus"]]
-"""A load's verification: ``check(lo, hi, statuses)`` for keys ``lo:hi`` of the batch
-whose native get just returned ``statuses``; returns them verified (``CORRUPT`` for a key
-whose bytes fail). Blocking; called on the thread that moved the bytes, right after."""
-Seal = Callable[[int, int], None]
-"""A put's sealing: ``seal(lo, hi)`` writes what keys ``lo:hi`` of the batch store beside
-their bytes (their checksum trailers), computed from those bytes. Blocking; called on the
-thread that moves the bytes, right before they move (a native call's group, or one key
-where the adapter copies it itself), so that the bytes it read are still in that core's
-cache when they are copied."""
+class Check(Protocol):
+    """A load's verification: ``check(lo, hi, statuses)`` for keys ``lo:hi`` of the batch
+    whose native get just returned ``statuses``; returns them verified (``CORRUPT`` for a
+    key whose bytes fail). Blocking; called on the thread that moved the bytes, right
+    after.
+
+    An adapter that copies each key's value out of the backend's memory itself (the
+    datasystem's host path) calls :meth:`in_value` before the copy instead."""
+
+    def __call__(self, lo: int, hi: int, statuses: list[KeyStatus]) -> list[KeyStatus]: ...
+
+    def in_value(self, i: int, value: int, nbytes: int) -> bool:
+        """Whether key ``i``'s value at ``value`` (``nbytes``, its trailer the last bytes),
+        as the backend holds it, matches its trailer: one digest over contiguous memory.
+        A value that does not is reported ``CORRUPT`` and not copied out."""
+        ...
+
+
+class Seal(Protocol):
+    """A put's sealing: ``seal(lo, hi)`` writes what keys ``lo:hi`` of the batch store beside
+    their bytes (their checksum trailers), computed from those bytes. Blocking; called on the
+    thread that moves the bytes, right before they move (a native call's group), so that the
+    bytes it read are still in that core's cache when they are copied.
+
+    An adapter that copies each key's pieces into one contiguous value itself (the
+    datasystem's host path) calls :meth:`in_value` after the copy instead."""
+
+    def __call__(self, lo: int, hi: int) -> None: ...
+
+    def in_value(self, i: int, value: int, nbytes: int) -> None:
+        """Key ``i``'s value, copied whole to ``value`` (``nbytes``, its trailer the last
+        bytes): the trailer written there from the bytes before it, in one digest over
+        contiguous memory (xxhash releases the GIL only over 64 KiB, which a key's
+        per-layer pieces often are not), of the bytes as stored."""
+        ...
+
+
 CHECK_GROUP_BYTES = 4 << 20
 """Keys are moved and checked (or sealed) in groups of about this many bytes: a group's
 digests run right after (before) its native call, on the same thread, before the next

@@ -3,7 +3,8 @@
 Every value is stored as the block's pieces followed by an 8-byte trailer, the xxh3-64 of
 the key and the pieces. The trailer is one more piece of the same batch call, so it is
 written with the block (stored whole or absent, as the block is) and read with it. On a
-load the pieces' digest is computed from the destination memory before the call returns;
+load the pieces' digest is computed from the destination memory before the call returns
+(where the adapter copies values out itself, from the value right before its copy);
 a block whose digest differs is reported :attr:`KeyStatus.CORRUPT` (the caller reports a
 failed load, vLLM recomputes) and removed from the pool so that the next lookup misses
 instead of hitting it again. The key is in the digest, so a value served under another
@@ -22,7 +23,10 @@ cache (xxhash releases the GIL for pieces over 64 KiB, so the adapter's threads 
 whole blocks in parallel; vLLM's per-layer pieces are often smaller and hash one thread
 at a time). A put is
 sealed the same way: each group's digests run on the I/O thread right before its native
-call, which then copies bytes the digests just read into that core's cache. Cost: see
+call, which then copies bytes the digests just read into that core's cache. Where the
+adapter copies each value itself (the datasystem's host path), a key's digest runs right
+after its copy, over the whole value as stored (one buffer: xxhash releases the GIL for
+it where a key's per-layer pieces each would hold it). Cost: see
 docs/reliability.md, "Block checksums" (bench_ttft's checksum rows, bench_store's
 "checksum cost").
 """
@@ -97,6 +101,52 @@ class _Arena:
         self._free.clear()
 
 
+class _Trailers:
+    """The :class:`~kvray.backends.base.Seal` of one put: trailers into the arena's slots
+    (from the pieces), or into a value the adapter copied whole."""
+
+    def __init__(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Slots) -> None:
+        self._keys, self._ptrs, self._sizes, self._slots = keys, ptrs, sizes, slots
+
+    def __call__(self, lo: int, hi: int) -> None:
+        for k, p, s, slot in zip(
+            self._keys[lo:hi], self._ptrs[lo:hi], self._sizes[lo:hi], self._slots[lo:hi],
+            strict=True,
+        ):  # fmt: skip
+            ctypes.c_uint64.from_address(slot).value = digest(k.encode(), p, s)
+
+    def in_value(self, i: int, value: int, nbytes: int) -> None:
+        body = nbytes - TRAILER
+        ctypes.c_uint64.from_address(value + body).value = digest(
+            self._keys[i].encode(), [value], [body]
+        )
+
+
+class _Verify:
+    """The :class:`~kvray.backends.base.Check` of one get: the pieces where they landed
+    against the trailers in the arena's slots, or a value before the adapter copies it."""
+
+    def __init__(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Slots) -> None:
+        self._keys, self._ptrs, self._sizes, self._slots = keys, ptrs, sizes, slots
+
+    def __call__(self, lo: int, hi: int, statuses: list[KeyStatus]) -> list[KeyStatus]:
+        return [
+            KeyStatus.CORRUPT
+            if st is KeyStatus.OK
+            and digest(k.encode(), p, s) != ctypes.c_uint64.from_address(slot).value
+            else st
+            for k, p, s, slot, st in zip(
+                self._keys[lo:hi], self._ptrs[lo:hi], self._sizes[lo:hi], self._slots[lo:hi],
+                statuses, strict=True,
+            )
+        ]  # fmt: skip
+
+    def in_value(self, i: int, value: int, nbytes: int) -> bool:
+        body = nbytes - TRAILER
+        want = ctypes.c_uint64.from_address(value + body).value
+        return digest(self._keys[i].encode(), [value], [body]) == want
+
+
 class ChecksummedBackend(Backend):
     """``inner`` with a checksum trailer on every value (see the module)."""
 
@@ -106,27 +156,6 @@ class ChecksummedBackend(Backend):
         self._arena = _Arena(inner)
         self.corrupt = 0
         """Blocks whose bytes failed their checksum on a load, since start."""
-
-    @staticmethod
-    def _seal(keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Sequence[int]) -> None:
-        for k, p, s, slot in zip(keys, ptrs, sizes, slots, strict=True):
-            ctypes.c_uint64.from_address(slot).value = digest(k.encode(), p, s)
-
-    @staticmethod
-    def _check(
-        keys: Sequence[str],
-        ptrs: Pieces,
-        sizes: Pieces,
-        slots: Sequence[int],
-        statuses: list[KeyStatus],
-    ) -> list[KeyStatus]:
-        return [
-            KeyStatus.CORRUPT
-            if st is KeyStatus.OK
-            and digest(k.encode(), p, s) != ctypes.c_uint64.from_address(slot).value
-            else st
-            for k, p, s, slot, st in zip(keys, ptrs, sizes, slots, statuses, strict=True)
-        ]
 
     @staticmethod
     def _with_trailers(
@@ -151,16 +180,12 @@ class ChecksummedBackend(Backend):
         if not keys:
             return []
         slots = await self._arena.take(len(keys))
-
-        def seal_trailers(lo: int, hi: int) -> None:
-            self._seal(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi])
-
         try:
             return await self.inner.put(
                 keys,
                 *self._with_trailers(ptrs, sizes, slots),
                 overwrite=overwrite,
-                seal=seal_trailers,
+                seal=_Trailers(keys, ptrs, sizes, slots),
             )
         finally:
             self._arena.give(slots)
@@ -168,15 +193,13 @@ class ChecksummedBackend(Backend):
     async def get(
         self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, *, check: Check | None = None
     ) -> list[KeyStatus]:
+        if check is not None:
+            raise ValueError("a checksummed backend verifies its loads itself")
         if not keys:
             return []
         slots = await self._arena.take(len(keys))
-
-        def verify(lo: int, hi: int, statuses: list[KeyStatus]) -> list[KeyStatus]:
-            out = self._check(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], slots[lo:hi], statuses)
-            return check(lo, hi, out) if check and KeyStatus.OK in out else out
-
         try:
+            verify = _Verify(keys, ptrs, sizes, slots)
             out = await self.inner.get(keys, *self._with_trailers(ptrs, sizes, slots), check=verify)
         finally:
             self._arena.give(slots)

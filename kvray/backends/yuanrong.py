@@ -286,17 +286,11 @@ class DatasystemBackend(Backend):
         if not todo:
             return out
 
-        def seal_todo(lo: int, hi: int) -> None:
-            """``seal`` of the keys to write ``lo:hi``, in the batch's numbering."""
-            assert seal is not None
-            for i in todo[lo:hi]:
-                seal(i, i + 1)
-
         write, nbytes = self._writer(
             [enc[i] for i in todo],
             [ptrs[i] for i in todo],
             [sizes[i] for i in todo],
-            seal if seal is None or len(todo) == len(enc) else seal_todo,
+            seal if seal is None or len(todo) == len(enc) else _SealOf(seal, todo),
         )
         statuses = await self._split(write, len(todo), nbytes, background=True)
         for i, status in zip(todo, statuses, strict=True):
@@ -348,6 +342,21 @@ class DatasystemBackend(Backend):
             del self._client
 
 
+class _SealOf:
+    """``seal`` of the keys a put writes (``todo``: their indices in the batch), in the
+    writer's numbering."""
+
+    def __init__(self, seal: Seal, todo: list[int]) -> None:
+        self._seal, self._todo = seal, todo
+
+    def __call__(self, lo: int, hi: int) -> None:
+        for i in self._todo[lo:hi]:
+            self._seal(i, i + 1)
+
+    def in_value(self, i: int, value: int, nbytes: int) -> None:
+        self._seal.in_value(self._todo[i], value, nbytes)
+
+
 class YuanrongBackend(DatasystemBackend):
     """The host data path: one KVClient, zero-copy shared-memory buffers."""
 
@@ -369,12 +378,15 @@ class YuanrongBackend(DatasystemBackend):
             totals = [sum(s) for s in sizes[lo:hi]]
             try:
                 bufs = self._native(self._client.mcreate, keys[lo:hi], totals, self._write_mode, 0)
-                # The copy is this thread's: each key is sealed right before it is copied,
-                # so the copy reads what the digest just brought into this core's cache.
-                for i, (buf, p, s) in enumerate(zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True)):
+                # The copy is this thread's: each key is sealed right after it is copied,
+                # from its whole value (contiguous, and in this core's cache).
+                for i, (buf, p, s, n) in enumerate(
+                    zip(bufs, ptrs[lo:hi], sizes[lo:hi], totals, strict=True)
+                ):
+                    value = np.frombuffer(buf.MutableData(), np.uint8).ctypes.data
+                    gather_pieces(value, p, s)
                     if seal:
-                        seal(lo + i, lo + i + 1)
-                    gather_pieces(np.frombuffer(buf.MutableData(), np.uint8).ctypes.data, p, s)
+                        seal.in_value(lo + i, value, n)
                 self._native(self._client.mset_buffer, bufs)
             except RuntimeError as exc:
                 status = classify(exc) or KeyStatus.ERROR
@@ -399,16 +411,22 @@ class YuanrongBackend(DatasystemBackend):
                 # The SDK raises when every key of the call is missing.
                 return [classify(exc) or KeyStatus.ERROR] * (hi - lo)
             out: list[KeyStatus] = []
-            # The copy is this thread's: each key is checked (with ``check``) right after it
-            # is copied, while its bytes are in this core's cache.
+            # The copy is this thread's: each key's value is checked (with ``check``) as
+            # the worker holds it, right before it is copied out (then from this core's
+            # cache); one that fails is not copied.
             for i, (buf, p, s) in enumerate(zip(bufs, ptrs[lo:hi], sizes[lo:hi], strict=True)):
+                n = sum(s)
                 if buf is None:
                     out.append(KeyStatus.NOT_FOUND)
-                elif buf.GetSize() != sum(s):
+                elif buf.GetSize() != n:
                     out.append(KeyStatus.SIZE_MISMATCH)
                 else:
-                    scatter_pieces(np.frombuffer(buf, dtype=np.uint8).ctypes.data, p, s)
-                    out += check(lo + i, lo + i + 1, [KeyStatus.OK]) if check else [KeyStatus.OK]
+                    value = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+                    if check is not None and not check.in_value(lo + i, value, n):
+                        out.append(KeyStatus.CORRUPT)
+                        continue
+                    scatter_pieces(value, p, s)
+                    out.append(KeyStatus.OK)
             return out
 
         return await self._split(read, len(enc), nbytes)

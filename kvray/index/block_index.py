@@ -126,7 +126,7 @@ def column_salt(prefix: str) -> np.uint64:
 
 def digests(salt: np.uint64 | np.ndarray, folded: np.ndarray | np.uint64) -> np.ndarray:
     """Key digests of one column's blocks (never :data:`EMPTY` or :data:`DELETED`)."""
-    d = _mix(folded ^ salt)
+    d = _mix(np.asarray(folded ^ salt))
     return np.where(d <= DELETED, d + np.uint64(2), d)
 
 

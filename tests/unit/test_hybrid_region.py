@@ -289,7 +289,6 @@ def test_interleaved_ops_keep_their_order_each_under_its_groups_keys(shared):
     )
 
 
-
 # ---- layer-wise ------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import signal
 import numpy as np
 import pytest
 
+from kvray.connector.log_lines import request_lines
 from kvray.shm import mapped_regions
 from kvray.testing.engine import LiveEngine
 
@@ -410,3 +411,35 @@ def test_reset_external_moves_the_engine_past_every_block_stored_before(
     again = eng.generate([p1])
     assert again["outputs"] == reference([p1])
     pool_hit(again["lines"][0], 4)
+
+
+LEARN_PROMPTS = 40
+"""Prompts (each sent twice) within which the default's decision must have been made: it
+needs 8 loads and 8 steps at two sizes each (kvray/connector/worth.py)."""
+
+
+def test_a_hit_measured_slower_than_computing_it_is_computed(
+    pool, engines, reference, tiny_model, request
+):
+    """``recompute_slow_hits`` as users get it (on): on the tiny model, computing a block
+    costs less than loading it. Repeats of prompts of 1 to 4 blocks load their hits while
+    the engine measures both rates; once it has, a repeat's hit is computed instead, its
+    line saying ``miss=not_worth_loading``, its output that of an engine without the pool,
+    and no load failed on the way."""
+    eng = engines.get(spec(tiny_model, "shared", recompute_slow_hits=True))
+    sent: list[list[int]] = []
+    for i in range(LEARN_PROMPTS):
+        p = own_prompts(request, (1 + i % 4) * BLOCK + 3, salt=str(i))
+        for _ in range(2):
+            assert eng.generate([p])["outputs"][0] == reference([p])[0]
+            sent.append(p)
+        if request_lines(eng.log())[-1].miss == "not_worth_loading":
+            break
+    lines = request_lines(eng.log())
+    assert len(lines) == len(sent)
+    computed = [ln for ln in lines if ln.miss == "not_worth_loading"]
+    assert computed, f"no hit computed in {LEARN_PROMPTS} repeats: {lines[-4:]}"
+    last = lines[-1]
+    assert last.miss == "not_worth_loading" and (last.hit_pool, last.loaded) == (0, 0), last
+    assert sum(ln.loaded for ln in lines) >= 8  # the hits it measured were loaded
+    assert all(ln.failed == 0 for ln in lines)

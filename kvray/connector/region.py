@@ -385,9 +385,9 @@ class KVRegion:
         other, are the blocks' in ``ops``' order. Layer-wise: a batch per layer group of
         each run. Else one batch for consecutive runs whose keys have as many pieces (vLLM
         gives a hybrid model's groups as many layers each): one call and one native batch
-        for a step's blocks of every group, not one per group, which on 2 cores measured
-        ~40 % of a hybrid hit's load (four calls of 2-4 MiB contending in the
-        BackendClient)."""
+        for a step's blocks of every group, not one call per group (a Gemma 3 hit's four
+        calls of 2-4 MiB each paid the actor's fixed costs and contended for its
+        threads)."""
         out: list[TransferBatch] = []
         pos = 0
         for g, lo, hi, run in self._runs(ops):

@@ -374,6 +374,10 @@ def render_serve(results: Results, names: Sequence[str]) -> str:
             f(t["run2_p99_ttft_ms"]),
             f"±{t['run2_spread']:.0%}",
             f"{t['run2_hits']}/{t['run2_blocks']}" if t["run2_blocks"] else "-",
+            " / ".join(
+                "-" if t.get(f"run{n}_cpu_s_per_gb") is None else f"{t[f'run{n}_cpu_s_per_gb']:.2f}"
+                for n in (1, 2)
+            ),
         ]
         for t in run["table"]
     ]
@@ -385,6 +389,7 @@ def render_serve(results: Results, names: Sequence[str]) -> str:
         "run 2 P99 ms",
         "run 2 spread",
         "run 2 blocks loaded from the pool",
+        "CPU over none, s per GB moved (run 1 / run 2)",
     ]
     notes = []
     run2 = {(r["mode"], r["rep"]): r["mean_ttft_ms"] for r in run["runs"] if r["run"] == 2}

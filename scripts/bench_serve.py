@@ -16,7 +16,9 @@ SIGSTOP so their background threads do not take the measured server's CPU):
   the per-rep ratios, 95 % bootstrap interval).
 
 Reps are interleaved: every rep runs each mode in turn (order rotated per rep) on fresh
-prompts (the rep's seed), so run 1 is cold again. The benchmark client is vLLM's own
+prompts (the rep's seed), so run 1 is cold again. Each run's CPU is counted too (user +
+system time of every process below this one), and printed over ``none``'s per GB kvray's
+pool moved in the same run. The benchmark client is vLLM's own
 (``vllm.benchmarks.serve``, called in this process, imported once: the CPU wheel's
 ``vllm`` CLI fails on its version lookup) with the seeds' flags: random dataset,
 ``--num-prompts`` (12) of ``--input-len`` (4000) tokens, output 2, request rate inf. The
@@ -45,6 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
+from _cpu import CpuMeter, cpu_per_gb  # noqa: E402
 from _engines import (  # noqa: E402
     PEER_TRANSFER_CONFIG,
     bench_pool,
@@ -195,6 +198,7 @@ def main() -> int:
     """Stopped last first."""
     servers: dict[str, Server] = {}
     runs: list[dict[str, Any]] = []
+    pool: Any = None
     try:
         if {"kvray", "staged", "nock"} & set(modes):
             pool, env["RAY_ADDRESS"] = start_bench_pool(
@@ -226,6 +230,15 @@ def main() -> int:
         client = bench_client()
         if args.smoke:
             wait_all_healthy(list(servers.values()))
+        meter = CpuMeter()
+
+        def pool_bytes() -> int:
+            """What kvray's pool stored and loaded so far (0 without a kvray mode)."""
+            if pool is None:
+                return 0
+            total = pool.stats().total
+            return int(total.put_bytes + total.get_bytes)
+
         for rep in range(args.reps):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for mode in order:
@@ -234,8 +247,11 @@ def main() -> int:
                 before = len(s.request_counts())
                 for run in (1, 2):
                     out = tmp / f"{mode}-rep{rep}-run{run}.json"
+                    cpu0, bytes0 = meter.total_s(), pool_bytes()
                     r = bench_once(client, s, model, args, seed=1000 + rep, out=out)
-                    time.sleep(1.0)  # the server's last request lines
+                    time.sleep(1.0)  # the server's last request lines (and saves)
+                    r["cpu_s"] = meter.total_s() - cpu0
+                    r["pool_bytes"] = pool_bytes() - bytes0
                     lines = s.request_counts()[before:]
                     before += len(lines)
                     r.update(
@@ -323,7 +339,50 @@ def summarize(runs: list[dict[str, Any]], modes: list[str]) -> list[dict[str, An
             f" {row['run2_spread']:6.0%} {hits:>16}"
         )
     print("\nTTFT in ms, medians over reps; spread = half the range of run 2's means, relative")
+    cpu_table(runs, modes, table)
     return table
+
+
+def cpu_table(runs: list[dict[str, Any]], modes: list[str], table: list[dict[str, Any]]) -> None:
+    """Each mode's CPU per run (every process below this one: the servers, Ray, the pools'
+    actors, the masters), and over ``none``'s in the same rep, per GB kvray's pool stored
+    and loaded in that rep's run (the peer's bytes are the same prompts' blocks). Adds
+    ``run<n>_cpu_s``, ``run<n>_cpu_over_none_ms`` and ``run<n>_cpu_s_per_gb`` (None where
+    there is no ``none`` or no kvray mode) to ``table``'s rows."""
+
+    def of(mode: str, run: int, key: str) -> list[float]:
+        sel = sorted(
+            (r for r in runs if r["mode"] == mode and r["run"] == run), key=lambda r: r["rep"]
+        )
+        return [r[key] for r in sel]
+
+    print(f"\n{'mode':8} {'run 1 CPU s':>12} {'run 2 CPU s':>12} {'over none, ms':>16} "
+          f"{'s per GB moved':>16}")  # fmt: skip
+    for row in table:
+        mode = row["mode"]
+        cells = []
+        for run in (1, 2):
+            cpu = of(mode, run, "cpu_s")
+            row[f"run{run}_cpu_s"] = statistics.median(cpu)
+            row[f"run{run}_cpu_over_none_ms"] = row[f"run{run}_cpu_s_per_gb"] = None
+            if mode != "none" and "none" in modes and "kvray" in modes:
+                over = cpu_per_gb(cpu, of("none", run, "cpu_s"), of("kvray", run, "pool_bytes"))
+                row[f"run{run}_cpu_over_none_ms"] = over["extra_cpu_ms"]
+                row[f"run{run}_cpu_s_per_gb"] = over["cpu_s_per_gb"]
+            cells.append(row[f"run{run}_cpu_s"])
+        over_ms = [row[f"run{run}_cpu_over_none_ms"] for run in (1, 2)]
+        per_gb = [row[f"run{run}_cpu_s_per_gb"] for run in (1, 2)]
+        print(f"{mode:8} {cells[0]:12.2f} {cells[1]:12.2f} {_pair(over_ms, '.0f'):>16} "
+              f"{_pair(per_gb, '.2f'):>16}")  # fmt: skip
+    print(
+        "CPU: user + system seconds of every process below this one, medians over reps; "
+        "over none: paired per rep, run 1 / run 2; per GB: of what kvray's pool stored "
+        "and loaded in the same run"
+    )
+
+
+def _pair(values: list[float | None], fmt: str) -> str:
+    return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
 
 def plot(table: list[dict[str, Any]], path: Path) -> None:

@@ -101,50 +101,54 @@ class _Arena:
         self._free.clear()
 
 
-class _Trailers:
+class _Batch:
+    """One batch's keys, pieces and trailer slots, and their digests."""
+
+    def __init__(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Slots) -> None:
+        self._keys, self._ptrs, self._sizes, self._slots = keys, ptrs, sizes, slots
+
+    def _of_pieces(self, i: int) -> int:
+        """The digest of key ``i``'s pieces."""
+        return digest(self._keys[i].encode(), self._ptrs[i], self._sizes[i])
+
+    def _trailer(self, i: int) -> ctypes.c_uint64:
+        """Key ``i``'s trailer slot."""
+        return ctypes.c_uint64.from_address(self._slots[i])
+
+    def _of_value(self, i: int, value: int, nbytes: int) -> tuple[int, int]:
+        """(digest of key ``i``'s value at ``value`` but its trailer, the trailer's address)."""
+        body = nbytes - TRAILER
+        return digest(self._keys[i].encode(), [value], [body]), value + body
+
+
+class _Trailers(_Batch):
     """The :class:`~kvray.backends.base.Seal` of one put: trailers into the arena's slots
     (from the pieces), or into a value the adapter copied whole."""
 
-    def __init__(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Slots) -> None:
-        self._keys, self._ptrs, self._sizes, self._slots = keys, ptrs, sizes, slots
-
     def __call__(self, lo: int, hi: int) -> None:
-        for k, p, s, slot in zip(
-            self._keys[lo:hi], self._ptrs[lo:hi], self._sizes[lo:hi], self._slots[lo:hi],
-            strict=True,
-        ):  # fmt: skip
-            ctypes.c_uint64.from_address(slot).value = digest(k.encode(), p, s)
+        for i in range(lo, hi):
+            self._trailer(i).value = self._of_pieces(i)
 
     def in_value(self, i: int, value: int, nbytes: int) -> None:
-        body = nbytes - TRAILER
-        ctypes.c_uint64.from_address(value + body).value = digest(
-            self._keys[i].encode(), [value], [body]
-        )
+        d, at = self._of_value(i, value, nbytes)
+        ctypes.c_uint64.from_address(at).value = d
 
 
-class _Verify:
+class _Verify(_Batch):
     """The :class:`~kvray.backends.base.Check` of one get: the pieces where they landed
     against the trailers in the arena's slots, or a value before the adapter copies it."""
-
-    def __init__(self, keys: Sequence[str], ptrs: Pieces, sizes: Pieces, slots: Slots) -> None:
-        self._keys, self._ptrs, self._sizes, self._slots = keys, ptrs, sizes, slots
 
     def __call__(self, lo: int, hi: int, statuses: list[KeyStatus]) -> list[KeyStatus]:
         return [
             KeyStatus.CORRUPT
-            if st is KeyStatus.OK
-            and digest(k.encode(), p, s) != ctypes.c_uint64.from_address(slot).value
+            if st is KeyStatus.OK and self._of_pieces(i) != self._trailer(i).value
             else st
-            for k, p, s, slot, st in zip(
-                self._keys[lo:hi], self._ptrs[lo:hi], self._sizes[lo:hi], self._slots[lo:hi],
-                statuses, strict=True,
-            )
-        ]  # fmt: skip
+            for i, st in zip(range(lo, hi), statuses, strict=True)
+        ]
 
     def in_value(self, i: int, value: int, nbytes: int) -> bool:
-        body = nbytes - TRAILER
-        want = ctypes.c_uint64.from_address(value + body).value
-        return digest(self._keys[i].encode(), [value], [body]) == want
+        d, at = self._of_value(i, value, nbytes)
+        return d == ctypes.c_uint64.from_address(at).value
 
 
 class ChecksummedBackend(Backend):

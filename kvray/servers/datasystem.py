@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvray.config import DatasystemWorkerConfig
 from kvray.errors import ConfigError
-from kvray.servers.process import ServerProcess, accepts, free_port
+from kvray.servers.process import ServerProcess, free_port
 
 # Small-footprint flags for a worker that serves one machine's ranks: the defaults start
 # ~500 threads and a log monitor that uses 15-25 % of a core while idle.
@@ -150,7 +150,7 @@ class DatasystemWorker(ServerProcess):
         super()._prepare()
 
     def _ready(self) -> bool:
-        return self._ready_file.exists() and accepts(self.host, self.port, 0.5)
+        return self._ready_file.exists() and self._accepts(self.port, 0.5)
 
     def _ready_timeout_s(self) -> float:
         return self.config.ready_timeout_s

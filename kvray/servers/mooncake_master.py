@@ -2,7 +2,8 @@
 backend when no master address is configured.
 
 The master listens on free loopback ports (RPC and metrics; two masters never collide
-on the default metrics port 9003); it is ready when its RPC port accepts.
+on the default metrics port 9003); it is ready when it listens on its RPC port itself and
+that port accepts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from kvray.config import MooncakeMasterConfig
 from kvray.errors import ConfigError
-from kvray.servers.process import ServerProcess, accepts, free_port
+from kvray.servers.process import ServerProcess, free_port
 
 
 def find_master_binary() -> str:
@@ -78,7 +79,7 @@ class MooncakeMaster(ServerProcess):
         self.rpc_port, self.metrics_port = free_port(self.host), free_port(self.host)
 
     def _ready(self) -> bool:
-        return accepts(self.host, self.rpc_port, 0.2)
+        return self._accepts(self.rpc_port, 0.2)
 
     def _ready_timeout_s(self) -> float:
         return 15.0

@@ -2,7 +2,9 @@
 
 A :class:`ServerProcess` picks free loopback ports, starts its command with its output in
 a log file, waits until the server is ready, and retries with fresh ports when it does
-not come up (another process took a port between the pick and the bind). A started
+not come up (another process took a port between the pick and the bind). A port that
+accepts counts only when the child itself listens there: another process that took the
+port would otherwise pass for the server until it goes away. A started
 server can be killed as a crash would (tests), restarted on the same ports (its clients
 reconnect there by themselves), and stopped (SIGTERM, then SIGKILL if ignored). Children
 are started with ``PR_SET_PDEATHSIG``: they die with the process that owns them, even
@@ -108,6 +110,41 @@ def accepts(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address, IPv4 or IPv6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode in column 9
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself holds a socket listening on TCP ``port``."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = fd.readlink()
+        except OSError:
+            continue
+        if str(link).startswith("socket:[") and str(link)[8:-1] in inodes:
+            return True
+    return False
+
+
 class ServerProcess(abc.ABC):
     """One backend server as a child process on ``host``."""
 
@@ -139,7 +176,7 @@ class ServerProcess(abc.ABC):
 
     @abc.abstractmethod
     def _ready(self) -> bool:
-        """One readiness probe of the running child."""
+        """One readiness probe of the running child (:meth:`_accepts` for a port)."""
 
     @abc.abstractmethod
     def _ready_timeout_s(self) -> float:
@@ -197,6 +234,11 @@ class ServerProcess(abc.ABC):
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def _accepts(self, port: int, timeout_s: float) -> bool:
+        """The child listens on ``port`` and it accepts a connection."""
+        proc = self._proc
+        return proc is not None and listens(proc.pid, port) and accepts(self.host, port, timeout_s)
 
     def start(self, timeout_s: float | None = None, attempts: int = 3) -> str:
         """Start and wait until ready (``timeout_s`` per attempt; None: the server's own);

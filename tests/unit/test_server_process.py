@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvray.errors import BackendUnavailableError
-from kvray.servers.process import ServerProcess, free_port, why_unreachable
+from kvray.servers.process import ServerProcess, free_port, listens, why_unreachable
 from kvray.servers.supervisor import Supervisor
 
 _SERVE = """
@@ -98,6 +98,38 @@ def test_retry_on_a_taken_port_then_crash_restart_and_stop(tmp_path):
     server.stop()
     assert not server.alive() and server.pid is None
     assert not (tmp_path / "home").exists()
+
+
+_SLOW_BIND = """
+import socket, sys, time
+time.sleep(0.5)  # another process takes the port before this one binds it
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+while True:
+    time.sleep(1)
+"""
+
+
+class PortServer(TinyServer):
+    """Ready when its port accepts, as the master and the datasystem worker are."""
+
+    def _ready(self) -> bool:
+        return self._accepts(self.port, 0.2)
+
+
+def test_a_port_another_process_listens_on_is_not_the_server_ready(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        server = PortServer(tmp_path / "home", [busy], serve=_SLOW_BIND)
+        address = server.start()
+        # the first attempt's child found the port taken and exited: not ready, retried
+        assert server.launches == 2 and server.port != busy and server.alive()
+        assert listens(server.pid, server.port) and not listens(server.pid, busy)
+    assert why_unreachable(address, 1.0) is None
+    server.stop()
 
 
 def test_a_server_that_never_comes_up_is_reported_with_its_log(tmp_path):

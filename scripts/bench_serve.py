@@ -31,7 +31,6 @@ pool's hits per run come from the kvray server's request lines.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -49,19 +48,17 @@ sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
 from _cpu import CpuMeter, cpu_per_gb  # noqa: E402
 from _engines import (  # noqa: E402
-    PEER_TRANSFER_CONFIG,
     bench_pool,
     engine_env,
-    kvray_transfer_config,
     run_meta,
     start_bench_pool,
     start_peer_master,
 )
-from _forked_server import prestart, start_server, wait_all_healthy  # noqa: E402
+from _forked_server import prestart, wait_all_healthy  # noqa: E402
+from _serving import bench_client, serve_arm  # noqa: E402
 from _stats import paired_ratio, pct  # noqa: E402
 
-from kvray.servers.process import free_port  # noqa: E402
-from kvray.testing.server import Server, vllm_serve_cmd  # noqa: E402
+from kvray.testing.server import Server  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "--reps", "1",
@@ -80,39 +77,21 @@ def serve(
     tmp: Path,
     more: dict[str, Any] | None = None,
 ) -> Server:
-    """One OpenAI server for ``mode`` (its own process group, so it pauses as a whole);
-    ``more``: more of the kvray modes' connector config."""
-    port = free_port()
-    extra: list[str] = []
+    """One OpenAI server for ``mode``; ``more``: more of the kvray modes' connector
+    config."""
+    kvray = None
     if mode in ("kvray", "staged", "nock"):
-        connector = {
+        kvray = {
             "pool_name": "bench-nock" if mode == "nock" else "bench",
             "load_async": False,
             "kv_placement": "staged" if mode == "staged" else "shared",
             "model_namespace": f"bench-serve-{mode}",
             **(more or {}),
         }
-        extra = ["--kv-transfer-config", json.dumps(kvray_transfer_config(connector))]
-    elif mode == "peer":
-        extra = ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
-    cmd = vllm_serve_cmd(model, port, *extra, max_model_len=max_len, prefix_caching=mode == "local")
-    return start_server(mode, cmd, env, tmp / f"{mode}.log", port=port)
-
-
-def bench_client() -> Callable[[list[str]], object]:
-    """vLLM's ``vllm bench serve`` as a function of its arguments (imported once: an
-    import of vLLM costs 12-16 s on 2 cores, a run with short prompts less)."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]  # vLLM: untyped __init__
-    add_cli_args(parser)
-
-    def run(argv: list[str]) -> object:
-        with contextlib.redirect_stdout(sys.stderr):  # its report; stdout is our table
-            return main(parser.parse_args(argv))
-
-    return run
+    return serve_arm(
+        mode, model, max_len, env, tmp,
+        prefix_caching=mode == "local", kvray=kvray, peer=mode == "peer",
+    )  # fmt: skip
 
 
 def bench_once(

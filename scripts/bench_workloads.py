@@ -77,9 +77,9 @@ ARMS = ("none", "local", "kvray", "kvray-pc", "peer", "peer-pc")
 DEFAULT_ARMS = "none,local,kvray,kvray-pc,peer"
 BLOCK = 16
 """vLLM's block size on the CPU backend (tokens)."""
-CACHE_BLOCKS = {"chat": 384, "ucm": 2304, "prefix_repetition": 2304}
-"""The engines' KV cache per workload (``--cache-blocks``'s default): a quarter of the
-chat's working set; room for every concurrent prompt of the others."""
+CACHE_BLOCKS = {"chat": 640, "ucm": 2304, "prefix_repetition": 2304}
+"""The engines' KV cache per workload (``--cache-blocks``'s default): under a third of
+the chat's working set; room for every concurrent prompt of the others."""
 VOCAB = 1000
 """Prompt tokens are drawn from ``[3, VOCAB)`` (the tiny model's vocabulary is 1024)."""
 
@@ -445,7 +445,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--output-len", type=int, default=16)
     chat = parser.add_argument_group("chat")
-    chat.add_argument("--users", type=int, default=12)
+    chat.add_argument("--users", type=int, default=16)
     chat.add_argument("--rounds", type=int, default=4)
     chat.add_argument("--system-len", type=int, default=256)
     chat.add_argument("--turn-len", type=int, default=384)

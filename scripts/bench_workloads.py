@@ -446,10 +446,10 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=16)
     chat = parser.add_argument_group("chat")
     chat.add_argument("--users", type=int, default=16)
-    chat.add_argument("--rounds", type=int, default=4)
-    chat.add_argument("--system-len", type=int, default=256)
-    chat.add_argument("--turn-len", type=int, default=384)
-    chat.add_argument("--reply-len", type=int, default=64)
+    chat.add_argument("--rounds", type=int, default=6)
+    chat.add_argument("--system-len", type=int, default=512)
+    chat.add_argument("--turn-len", type=int, default=128)
+    chat.add_argument("--reply-len", type=int, default=128)
     ucm = parser.add_argument_group("ucm")
     ucm.add_argument("--ucm-inputs", type=lambda s: [int(x) for x in s.split(",")],
                      default=[2048, 4096, 8192])  # fmt: skip

@@ -581,6 +581,46 @@ def render_headline(results: Results, names: Sequence[str]) -> str:
     )
 
 
+def render_workloads(results: Results, names: Sequence[str]) -> str:
+    """bench_workloads.py: per case and arm, p50 / p90 TTFT, TPOT, end to end, the
+    speedup over full compute and the p50 over vLLM's prefix cache and the peer (paired
+    per rep); the chat's targets below."""
+    (name,) = names
+    run = results(name)
+    rows = [
+        [
+            t["case"],
+            t["arm"],
+            f(t["p50_ttft_ms"]),
+            f(t["p90_ttft_ms"]),
+            f(t["mean_tpot_ms"]),
+            f(t["mean_e2e_ms"]),
+            "-" if t["speedup_over_none"] is None else f"{t['speedup_over_none']:.2f}x",
+            "-" if t["p50_over_local"] is None else f"{t['p50_over_local']:.2f}x",
+            "-" if t["p50_over_peer"] is None else f"{t['p50_over_peer']:.2f}x",
+            f"{t['pool_hit_blocks']}/{t['total_blocks']}" if t["total_blocks"] else "-",
+        ]
+        for t in run["table"]
+    ]
+    header = [
+        "case", "arm", "p50 TTFT ms", "p90 TTFT ms", "TPOT ms", "E2E ms",
+        "TTFT speedup over none", "p50 / local", "p50 / peer", "blocks loaded from the pool",
+    ]  # fmt: skip
+    text = table(header, rows)
+    targets = []
+    for key, t in run.get("targets", {}).items():
+        if t["median"] is None:
+            continue
+        metric, base = key.split("_over_")
+        verdict = "met" if t["met"] else "not met"
+        targets.append(
+            f"kvray-pc {metric} TTFT / {base} {ratio_ci(t)} (bound {t['bound']:g}: {verdict})"
+        )
+    if targets:
+        text += "\n\nTargets, paired per rep: " + "; ".join(targets) + "."
+    return text + "\n\n" + measured_at(results, names)
+
+
 RENDERERS: dict[str, Callable[[Results, Sequence[str]], str]] = {
     "store": render_store,
     "lookup": render_lookup,
@@ -593,6 +633,7 @@ RENDERERS: dict[str, Callable[[Results, Sequence[str]], str]] = {
     "breakdown": render_breakdown,
     "serve": render_serve,
     "route": render_route,
+    "workloads": render_workloads,
     "soak": render_soak,
     "headline": render_headline,
 }

@@ -63,8 +63,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "bench_ttft.py": (*ENGINE, "scripts/bench_ttft.py"),
     "bench_layerwise.py": (*ENGINE, "scripts/bench_layerwise.py"),
     "ttft_breakdown.py": (*ENGINE, "scripts/ttft_breakdown.py"),
-    "bench_serve.py": (*ENGINE, "scripts/bench_serve.py"),
+    "bench_serve.py": (*ENGINE, "scripts/bench_serve.py", "scripts/_serving.py"),
     "bench_route.py": (*ENGINE, "scripts/bench_route.py"),
+    "bench_workloads.py": (*ENGINE, "scripts/bench_workloads.py", "scripts/_serving.py"),
     "soak.py": (*ENGINE, "scripts/soak.py", "scripts/_soak_faults.py"),
 }
 """What each script measures, for scripts that declare no ``MEASURES`` of their own."""
@@ -79,6 +80,7 @@ PRODUCER: dict[str, str] = {
     "ttft_breakdown": "ttft_breakdown.py",
     "bench_serve": "bench_serve.py",
     "bench_route": "bench_route.py",
+    "bench_workloads": "bench_workloads.py",
     "soak": "soak.py",
 }
 """The script that writes a result, by the result's name up to its configuration."""

@@ -31,6 +31,7 @@ SMOKE_TESTS = {
     "bench_ssd.py": "tests/integration/test_scripts.py",
     "bench_store.py": "tests/integration/test_scripts.py",  # --cross-node: tests/multinode
     "bench_ttft.py": "tests/e2e/test_scripts.py",
+    "bench_workloads.py": "tests/e2e/test_scripts.py",
     "datasystem_cluster.py": "tests/integration/test_scripts.py",
     "demo_pool.py": "tests/integration/test_scripts.py",
     "demo_vllm.py": "tests/e2e/test_scripts.py",

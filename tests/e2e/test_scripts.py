@@ -73,6 +73,26 @@ def test_bench_serve_smoke(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("workload", ["chat", "ucm", "prefix_repetition"])
+def test_bench_workloads_smoke(tmp_path, workload):
+    """Each field workload against vLLM's prefix cache and kvray below it (one rep, a few
+    short prompts): every request streamed its tokens (the script fails a short one), and
+    the JSON has the keys of the committed full run."""
+    out = tmp_path / f"bench_workloads_{workload}.json"
+    res = run_script(
+        "bench_workloads.py", "--workload", workload, "--model-dir", str(tmp_path / "model"),
+        "--json", str(out), "--connector", json.dumps({"lookup_timeout_ms": LOOKUP_TIMEOUT_MS}),
+        timeout_s=580,
+    )  # fmt: skip
+    assert "p50/local" in res.stdout
+    assert json_keys(out) == committed_keys(out.name)
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["arm"] for r in runs} == {"local", "kvray-pc"}
+    assert all(req["ttft_ms"] > 0 and req["e2e_ms"] >= req["ttft_ms"] for r in runs
+               for req in r["requests"])  # fmt: skip
+
+
+@pytest.mark.timeout(600)
 def test_bench_route_smoke(tmp_path, prefill_model):
     """Two instances per arm behind kvray's proxy: round-robin on their own caches, on the
     pool, and the prefix router on the engines' and the pool's KV events. Every request

@@ -91,7 +91,8 @@ class LookupActor:
 
     async def _follow_index(self, keeper: IndexKeeper) -> None:
         """Keep the node's block index to the manager's stream: a long poll answered as
-        soon as a client reports a store or remove. While the manager does not answer,
+        soon as a client of another node reports a store or remove (this node's come as
+        markers). While the manager does not answer,
         the index ages and the schedulers stop trusting its misses (``INDEX_STALE_S``)."""
         manager = ManagerLink(
             self._config, "Lookup", "the node's block index goes stale (lookups ask this actor)"
@@ -99,7 +100,7 @@ class LookupActor:
         while True:
             update = await manager.call(
                 partial(ManagerHandle.index_since, epoch=keeper.epoch, seq=keeper.seq,
-                        wait_s=INDEX_POLL_S)
+                        wait_s=INDEX_POLL_S, node=self._node_id)
             )  # fmt: skip
             if update is None:
                 await asyncio.sleep(FLUSH_S)

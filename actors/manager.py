@@ -391,11 +391,13 @@ class PoolManagerActor:
         addresses = {node: ip for node, ip in alive.items() if node in ours}
         return prefix_match.match(self._index.index, space, block_hashes, addresses)
 
-    async def index_since(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate | None:
-        """A node's index keeper, long-polling for what came after ``seq``."""
+    async def index_since(
+        self, epoch: str, seq: int, wait_s: float, node: str = ""
+    ) -> IndexUpdate | None:
+        """The index keeper of ``node``, long-polling for what came after ``seq``."""
         if self._index is None:
             return None
-        return await self._index.wait(epoch, seq, wait_s)
+        return await self._index.wait(epoch, seq, wait_s, node)
 
     async def fingerprints(self) -> dict[str, dict[str, dict[str, Any]]]:
         return self._state.fingerprints

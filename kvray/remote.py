@@ -492,10 +492,13 @@ class ManagerHandle(Handle):
         when the pool has no ``kv_events``."""
         return self._call("kv_events")
 
-    def index_since(self, epoch: str, seq: int, wait_s: float) -> Call[IndexUpdate | None]:
-        """The block-index changes after ``seq`` of ``epoch`` (or a snapshot), once there
-        are any or ``wait_s`` passed; None when the pool keeps no index."""
-        return self._call("index_since", epoch, seq, wait_s)
+    def index_since(
+        self, epoch: str, seq: int, wait_s: float, node: str = ""
+    ) -> Call[IndexUpdate | None]:
+        """The block-index changes after ``seq`` of ``epoch`` (or a snapshot) for the
+        keeper of ``node`` (its own node's as markers), once there are any from other
+        nodes or ``wait_s`` passed; None when the pool keeps no index."""
+        return self._call("index_since", epoch, seq, wait_s, node)
 
     def fingerprints(self) -> Call[dict[str, dict[str, dict[str, Any]]]]:
         return self._call("fingerprints")

@@ -9,11 +9,18 @@ returns (so a scheduler on that node reads what the node stored as soon as the s
 done), then to the manager (one report in flight; what arrives meanwhile goes in the
 next). The manager's :class:`IndexHub` applies them to its own copy of the index and
 appends them to a bounded log. Each node's keeper asks for the changes after the last
-one it applied, and the hub answers as soon as there are any (a long poll), so a store
-reaches the schedulers of the other nodes within two actor calls. A keeper applies its own
-node's changes again when they come from the hub: a snapshot taken before the hub had one
-would otherwise erase it for good. (Until the stream catches up, an entry can be briefly
-older than the node's latest change: the index is advisory, a stale hit a failed load.)
+one it applied, and the hub answers as soon as there are any from other nodes (a long
+poll), so a store reaches the schedulers of the other nodes within two actor calls.
+
+A keeper has its own node's changes already: the hub sends them back as markers (the
+publisher and its count, not the keys), in the log's order, and never wakes a keeper for
+them alone (they ride on the next update: another node's change or the poll's limit). A
+keeper applies its own node's changes again at their markers, and after every update
+until their marker came: a snapshot taken before the hub had one, or another node's older
+change of the same keys, would otherwise erase it. A marker of a change the keeper never
+got (its call failed) makes the keeper ask for a snapshot. (Until the stream catches up,
+an entry can be briefly older than the node's latest change: the index is advisory, a
+stale hit a failed load.)
 
 A keeper whose position the log no longer reaches (it fell behind, or the hub is a new
 one after a manager restart: another ``epoch``) gets a snapshot instead: the hub's whole
@@ -62,6 +69,12 @@ class IndexChange:
     digests: bytes
     node_id: str = ""
     slot: int = -1
+    origin: str = ""
+    """The node whose pool actor made the change ("": the manager)."""
+    source: str = ""
+    """The publisher that made it (one per actor), and its count of changes made: the
+    hub's marker for the keeper of ``origin``, which has the change already."""
+    count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +85,20 @@ class IndexUpdate:
     epoch: str
     seq: int
     places: list[tuple[str, int]]
-    changes: list[tuple[int, int, bytes]]
-    """``(op, tier bits, digests)``."""
+    changes: list[tuple[int, int, bytes, str, int]]
+    """``(op, tier bits, digests, source, count)``; a change of the asking keeper's own
+    node is a marker: no digests (the keeper has them)."""
     snapshot: tuple[bytes, bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Logged:
+    op: int
+    bits: int
+    digests: bytes
+    origin: str
+    source: str
+    count: int
 
 
 class IndexHub:
@@ -83,7 +107,7 @@ class IndexHub:
     def __init__(self, capacity: int, log_digests: int = DEFAULT_LOG_DIGESTS) -> None:
         self.epoch = uuid.uuid4().hex[:12]
         self.index = BlockIndex.create(capacity, prefix="kvray-index-hub")
-        self._log: deque[tuple[int, int, bytes]] = deque()
+        self._log: deque[_Logged] = deque()
         self._base = 0
         """The position of ``_log[0]``."""
         self._logged = 0
@@ -101,11 +125,10 @@ class IndexHub:
                 continue
             d = np.frombuffer(c.digests, dtype="<u8")
             apply(self.index, c.op, bits, d)
-            self._log.append((c.op, bits, c.digests))
+            self._log.append(_Logged(c.op, bits, c.digests, c.origin, c.source, c.count))
             self._logged += len(d)
         while self._logged > self._log_digests and len(self._log) > 1:
-            _, _, gone = self._log.popleft()
-            self._logged -= len(gone) // 8
+            self._logged -= len(self._log.popleft().digests) // 8
             self._base += 1
         if self._changed is not None:
             self._changed.set()
@@ -127,26 +150,51 @@ class IndexHub:
         self.record(changes)
         return changes
 
-    def since(self, epoch: str, seq: int) -> IndexUpdate:
+    def _current(self, epoch: str, seq: int) -> bool:
+        return epoch == self.epoch and self._base <= seq <= self.seq
+
+    def since(self, epoch: str, seq: int, node: str = "") -> IndexUpdate:
+        """What a keeper at ``seq`` of ``epoch`` lacks: the changes after it (those of
+        its ``node`` as markers), or a snapshot."""
         places = self.index.places()
-        if epoch != self.epoch or not self._base <= seq <= self.seq:
+        if not self._current(epoch, seq):
             digests, tiers = self.index.entries()
             snap = (digests.astype("<u8").tobytes(), tiers.astype("<u4").tobytes())
             return IndexUpdate(self.epoch, self.seq, places, [], snap)
-        changes = [self._log[i] for i in range(seq - self._base, len(self._log))]
+        changes = []
+        for i in range(seq - self._base, len(self._log)):
+            e = self._log[i]
+            own = bool(node) and e.origin == node and bool(e.source)
+            changes.append((e.op, e.bits, b"" if own else e.digests, e.source, e.count))
         return IndexUpdate(self.epoch, self.seq, places, changes)
 
-    async def wait(self, epoch: str, seq: int, wait_s: float) -> IndexUpdate:
-        """:meth:`since`, once there is something after ``seq`` or ``wait_s`` passed."""
+    def _news(self, epoch: str, seq: int, node: str) -> bool:
+        """Whether a keeper of ``node`` at ``seq`` lacks anything it does not have: a
+        snapshot, or a change of another node."""
+        if not self._current(epoch, seq):
+            return True
+        return any(
+            self._log[i].origin != node or not self._log[i].source
+            for i in range(seq - self._base, len(self._log))
+        )
+
+    async def wait(self, epoch: str, seq: int, wait_s: float, node: str = "") -> IndexUpdate:
+        """:meth:`since`, once the keeper of ``node`` lacks something (:meth:`_news`) or
+        ``wait_s`` passed (then with the markers of its own node's changes)."""
         if self._changed is None:
             self._changed = asyncio.Event()
-        while epoch == self.epoch and seq == self.seq:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self._news(epoch, seq, node):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), wait_s)
+                await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 break
-        return self.since(epoch, seq)
+        return self.since(epoch, seq, node)
 
 
 UNCONFIRMED_MAX = 4096
@@ -165,10 +213,13 @@ class IndexKeeper:
         self.snapshots = 0
         self._waiting: list[IndexChange] = []
         """Changes of this node's clients in an SSD place the hub has not named yet."""
-        self._unconfirmed: deque[tuple[int, int, bytes]] = deque()
-        """This node's changes applied here that the hub has not sent back yet, in order:
-        applied again after each update from the hub, which may carry older changes of
-        the same keys (or a snapshot taken before the hub had them)."""
+        self._unconfirmed: deque[tuple[int, int, bytes, str, int]] = deque()
+        """This node's changes applied here that the hub has not marked yet, in order
+        (``(op, tier bits, digests, source, count)``): applied again after each update
+        from the hub, which may carry older changes of the same keys (or a snapshot taken
+        before the hub had them)."""
+        self.lost = 0
+        """Markers of changes this keeper never got (a snapshot was asked for each)."""
 
     def apply_local(self, changes: list[IndexChange]) -> None:
         """Changes of this node's clients, as they make them. An SSD place the hub has not
@@ -177,18 +228,20 @@ class IndexKeeper:
             bits = DRAM if c.slot < 0 else self.index.place_bit(c.node_id, c.slot, register=False)
             if bits and not (self._waiting and c.slot >= 0):
                 apply(self.index, c.op, bits, np.frombuffer(c.digests, dtype="<u8"))
-                self._unconfirmed.append((c.op, bits, c.digests))
+                self._unconfirmed.append((c.op, bits, c.digests, c.source, c.count))
                 while len(self._unconfirmed) > UNCONFIRMED_MAX:
                     self._unconfirmed.popleft()
             else:  # (behind others waiting: in order)
                 self._waiting.append(c)
 
-    def _confirmed(self, op: int, raw: bytes) -> None:
-        """The hub sent back one of this node's changes (the first equal one pending)."""
-        for i, (o, _, r) in enumerate(self._unconfirmed):
-            if o == op and r == raw:
+    def _confirmed(self, op: int, raw: bytes, source: str, count: int) -> bytes | None:
+        """The hub sent back one of this node's changes, whole or as a marker: taken off
+        the pending ones; its digests, or None when this keeper never had it."""
+        for i, (o, _, r, src, n) in enumerate(self._unconfirmed):
+            if (src, n) == (source, count) if source else (o == op and r == raw):
                 del self._unconfirmed[i]
-                return
+                return r
+        return None
 
     def _named(self) -> None:
         """Waiting changes whose SSD place the hub has named now join the unconfirmed
@@ -198,7 +251,7 @@ class IndexKeeper:
         for c in waiting:
             bits = self.index.place_bit(c.node_id, c.slot, register=False)
             if bits and not self._waiting:
-                self._unconfirmed.append((c.op, bits, c.digests))
+                self._unconfirmed.append((c.op, bits, c.digests, c.source, c.count))
             else:
                 self._waiting.append(c)
 
@@ -214,15 +267,23 @@ class IndexKeeper:
                 self.index.place_bit(node_id, slot)
         if self._waiting:
             self._named()
+        lost = False
         if update.snapshot is None:
-            for op, bits, raw in update.changes:
+            for op, bits, raw, source, count in update.changes:
+                mine = self._confirmed(op, raw, source, count) if self._unconfirmed else None
+                if not raw:  # a marker: this node's change, applied again in the log's order
+                    if mine is None:
+                        lost = True
+                        continue
+                    raw = mine
                 apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
-                if self._unconfirmed:
-                    self._confirmed(op, raw)
         # This node's newer changes win over what the hub sent (read your writes).
-        for op, bits, raw in self._unconfirmed:
+        for op, bits, raw, _, _ in self._unconfirmed:
             apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
         self.epoch, self.seq = update.epoch, update.seq
+        if lost:  # a change of this node that never came here: the next update is a snapshot
+            self.lost += 1
+            self.epoch = ""
         self.index.touch()
 
 

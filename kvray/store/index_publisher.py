@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from functools import partial
 
 from kvray import remote
@@ -110,6 +111,9 @@ class IndexPublisher:
         self._config = config
         self.node_id = node_id
         self._who = who
+        self._source = uuid.uuid4().hex[:16]
+        """This publisher, as the hub's markers name it to this node's keeper."""
+        self._count = itertools.count(1)
         self._for_hub: list[IndexChange] = []
         self._hub_ready = asyncio.Event()
         self._keeper: LookupHandle | None = None
@@ -122,9 +126,8 @@ class IndexPublisher:
         """``keys`` that the DRAM tier (``slot`` None) or this node's SSD tier of ``slot``
         took or let go (``op``)."""
         digests = key_digests(keys).astype("<u8").tobytes()
-        if slot is None:
-            return IndexChange(op, digests)
-        return IndexChange(op, digests, self.node_id, slot)
+        place, at = ("", -1) if slot is None else (self.node_id, slot)
+        return IndexChange(op, digests, place, at, self.node_id, self._source, next(self._count))
 
     async def run(self) -> None:
         """Send what was published to the manager's hub: one report in flight, what comes
@@ -156,21 +159,22 @@ class IndexPublisher:
     async def publish(self, changes: list[IndexChange]) -> None:
         """Applied by this node's keeper before this returns (what a scheduler on this node
         reads next includes them), then queued for the hub. A keeper that cannot be
-        reached is looked for again after a pause; meanwhile the hub brings it the
-        changes."""
+        reached is looked for again after a pause; meanwhile the hub's marker of a change
+        it lacks makes it ask for a snapshot."""
         if not changes:
             return
-        self._for_hub.extend(changes)
-        self._hub_ready.set()
-        keeper = await self._find_keeper()
-        if keeper is None:
-            return
         try:
-            await keeper.index_apply(changes).aresult(self._config.call_timeout_s)
+            keeper = await self._find_keeper()
+            if keeper is not None:
+                await keeper.index_apply(changes).aresult(self._config.call_timeout_s)
         except KVRayError as exc:
             self._keeper, self._keeper_retry_at = None, time.monotonic() + KEEPER_RETRY_S
             self._warn("keeper", "kvray %s: this node's block index did not take a change (%s); "
                        "it gets it from the pool's stream", self._who, exc)  # fmt: skip
+        finally:
+            # After the keeper has them: the hub's markers of them must find them there.
+            self._for_hub.extend(changes)
+            self._hub_ready.set()
 
     async def _find_keeper(self) -> LookupHandle | None:
         if self._keeper is None and time.monotonic() >= self._keeper_retry_at:

@@ -249,3 +249,91 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
     assert len(tries) == 2 and isinstance(pub._keeper, Keeper) and calls == [[]]
     asyncio.run(pub.publish([change(OP_ADD, keys(1))]))
     assert len(calls) == 2 and len(tries) == 2  # the next store goes straight to it
+
+
+class Publisher:
+    """What an IndexPublisher makes: changes of ``node`` numbered by one source."""
+
+    def __init__(self, node: str, source: str = "bc0") -> None:
+        self.node, self.source, self.count = node, source, 0
+
+    def __call__(self, op: int, ks: list[str]) -> IndexChange:
+        self.count += 1
+        raw = key_digests(ks).astype("<u8").tobytes()
+        return IndexChange(op, raw, "", -1, self.node, self.source, self.count)
+
+
+def test_a_keeper_gets_its_own_nodes_changes_as_markers_in_the_logs_order():
+    """The hub sends a keeper its own node's changes as markers (no digests), in the log's
+    order among the other nodes' changes: another node's remove recorded between two of
+    ours ends as the hub's order says, and every pending change is taken off."""
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    keeper.apply(hub.since(keeper.epoch, keeper.seq, "node-a"))
+    ours, theirs = Publisher("node-a"), Publisher("node-b")
+    k = keys(4)
+    first, gone, again = ours(OP_ADD, k), theirs(OP_REMOVE, k[:2]), ours(OP_ADD, k[1:2])
+    keeper.apply_local([first])
+    hub.record([first, gone])
+    keeper.apply_local([again])
+    hub.record([again])
+    update = hub.since(keeper.epoch, keeper.seq, "node-a")
+    assert [len(raw) for _, _, raw, _, _ in update.changes] == [0, 16, 0]  # markers, theirs
+    keeper.apply(update)
+    same(hub, keeper, k)
+    assert keeper.index.tiers(key_digests(k)).tolist() == [REMOVED, DRAM, DRAM, DRAM]
+    assert not keeper._unconfirmed and keeper.lost == 0
+    # the other node's keeper gets them all, whole
+    other = IndexKeeper(BlockIndex.create(4096))
+    other.apply(hub.since("", 0, "node-b"))  # a snapshot
+    same(hub, other, k)
+
+
+def test_a_long_poll_does_not_wake_for_the_keepers_own_nodes_changes():
+    """Only another node's change (or the poll's limit) answers a keeper's long poll; at
+    the limit the answer carries the markers, and the keeper's pending changes drain."""
+
+    async def scenario() -> None:
+        hub = IndexHub(4096)
+        keeper = IndexKeeper(BlockIndex.create(4096))
+        keeper.apply(await hub.wait("", 0, 0.01, "node-a"))
+        ours, theirs = Publisher("node-a"), Publisher("node-b")
+        waiting = asyncio.ensure_future(hub.wait(keeper.epoch, keeper.seq, 10, "node-a"))
+        await asyncio.sleep(0.02)
+        mine = ours(OP_ADD, keys(2))
+        keeper.apply_local([mine])
+        hub.record([mine])
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # its own node's change alone
+        hub.record([theirs(OP_ADD, keys(2, 10))])
+        update = await asyncio.wait_for(waiting, 1)
+        assert [len(c[2]) for c in update.changes] == [0, 16]
+        keeper.apply(update)
+        assert not keeper._unconfirmed
+        mine = ours(OP_ADD, keys(1, 20))
+        keeper.apply_local([mine])
+        hub.record([mine])
+        update = await hub.wait(keeper.epoch, keeper.seq, 0.05, "node-a")  # the limit
+        assert [len(c[2]) for c in update.changes] == [0]
+        keeper.apply(update)
+        assert not keeper._unconfirmed
+        same(hub, keeper, keys(30))
+
+    asyncio.run(scenario())
+
+
+def test_a_marker_of_a_change_the_keeper_never_got_brings_a_snapshot():
+    """A change of this node that did not reach its keeper (the call failed): its marker
+    makes the keeper ask for a snapshot, which has it."""
+    hub = IndexHub(4096)
+    keeper = IndexKeeper(BlockIndex.create(4096))
+    keeper.apply(hub.since(keeper.epoch, keeper.seq, "node-a"))
+    missed = Publisher("node-a")(OP_ADD, keys(3))
+    hub.record([missed])  # never applied here
+    keeper.apply(hub.since(keeper.epoch, keeper.seq, "node-a"))
+    assert keeper.lost == 1 and not keeper.index.tiers(key_digests(keys(3))).any()
+    update = hub.since(keeper.epoch, keeper.seq, "node-a")
+    assert update.snapshot is not None
+    keeper.apply(update)
+    same(hub, keeper, keys(3))
+    assert keeper.index.tiers(key_digests(keys(3))).tolist() == [DRAM] * 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,13 @@ from _forked_server import start_server
 
 from kvray.servers.process import free_port
 from kvray.testing.server import Server, vllm_serve_cmd
+
+EVERY_CORE = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+"""Each server's worker computes on every core. vLLM's automatic binding reserves a core
+for the engine core's process, and one more when a KV connector is configured; on a
+2-core machine that gave the servers without a connector one core and those with one
+both (measured: kvray's and the peer's first, all-miss runs faster than no connector's),
+so that every arm computes on the same cores, this is set for all of them."""
 
 
 def serve_arm(
@@ -31,7 +39,8 @@ def serve_arm(
 ) -> Server:
     """One OpenAI server (its own process group, so it pauses as a whole): vLLM's prefix
     cache on or off, and KVRayConnector with ``kvray`` as its extra config, or the peer
-    (vLLM's MooncakeStoreConnector, its client config in ``env``), or no connector."""
+    (vLLM's MooncakeStoreConnector, its client config in ``env``), or no connector; its
+    worker on every core (:data:`EVERY_CORE`, unless ``env`` binds it)."""
     port = free_port()
     args: list[str] = list(extra)
     if kvray is not None:
@@ -39,7 +48,7 @@ def serve_arm(
     elif peer:
         args += ["--kv-transfer-config", json.dumps(PEER_TRANSFER_CONFIG)]
     cmd = vllm_serve_cmd(model, port, *args, max_model_len=max_len, prefix_caching=prefix_caching)
-    return start_server(name, cmd, env, tmp / f"{name}.log", port=port)
+    return start_server(name, cmd, {**EVERY_CORE, **env}, tmp / f"{name}.log", port=port)
 
 
 def bench_client() -> Callable[[list[str]], object]:

@@ -75,21 +75,21 @@ from kvray.testing.server import Server  # noqa: E402
 WORKLOADS = ("chat", "ucm", "prefix_repetition")
 ARMS = ("none", "local", "kvray", "kvray-pc", "peer", "peer-pc")
 DEFAULT_ARMS = "none,local,kvray,kvray-pc,peer"
-BLOCK = 16
-"""vLLM's block size on the CPU backend (tokens)."""
-CACHE_BLOCKS = {"chat": 640, "ucm": 2304, "prefix_repetition": 2304}
+BLOCK = 128
+"""vLLM's block size on its CPU backend (tokens)."""
+CACHE_BLOCKS = {"chat": 80, "ucm": 288, "prefix_repetition": 288}
 """The engines' KV cache per workload (``--cache-blocks``'s default): under a third of
 the chat's working set; room for every concurrent prompt of the others."""
 VOCAB = 1000
 """Prompt tokens are drawn from ``[3, VOCAB)`` (the tiny model's vocabulary is 1024)."""
 
 SMOKE = ["--arms", "local,kvray-pc", "--reps", "1", "--users", "3", "--rounds", "2",
-         "--system-len", "32", "--turn-len", "48", "--reply-len", "16",
+         "--system-len", "64", "--turn-len", "96", "--reply-len", "32",
          "--ucm-inputs", "256", "--ucm-hits", "0.5", "--concurrency", "2",
          "--pr-prefix-len", "64", "--pr-suffix-len", "32", "--pr-num-prefixes", "2",
          "--pr-num-prompts", "4", "--output-len", "4"]  # fmt: skip
 """``--smoke``: vLLM's prefix cache and kvray below it, one rep, a few short prompts."""
-SMOKE_CACHE_BLOCKS = {"chat": 24, "ucm": 64, "prefix_repetition": 64}
+SMOKE_CACHE_BLOCKS = {"chat": 7, "ucm": 16, "prefix_repetition": 16}
 
 
 # ---- the client --------------------------------------------------------------------------

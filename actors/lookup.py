@@ -176,10 +176,13 @@ class LookupActor:
         self._service.count(counts)
 
     async def snapshot(self) -> dict[str, Any]:
+        keeper = self._keeper
         return {
             "node_id": self._node_id,
             "stats": self._service.stats.to_dict(),
             "ssd_asks": [[p.node_id, p.slot, n] for p, n in self._service.ssd_asks.items()],
+            # the node's block index as the pool's stream keeps it (None: no index)
+            "index": None if keeper is None else keeper.state(),
         }
 
     async def close(self) -> None:

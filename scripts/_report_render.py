@@ -523,6 +523,16 @@ def render_headline(results: Results, names: Sequence[str]) -> str:
     channel = {r["call"]: r for r in results("bench_channel.json")["rows"]}
     soak = results("soak.json")
     route = {t["arm"]: t for t in results("bench_route.json")["table"]}
+    chat = results("bench_workloads_chat.json")
+    chat_runs = {(r["arm"], r["rep"]): r for r in chat["runs"]}
+    chat_reps = sorted({rep for _, rep in chat_runs})
+
+    def chat_ratio(other: str, key: str) -> float:
+        return float(
+            statistics.median(
+                chat_runs[("kvray-pc", i)][key] / chat_runs[(other, i)][key] for i in chat_reps
+            )
+        )
 
     def commit(name: str) -> str:
         return str(meta(results(name))["commit"])
@@ -541,6 +551,15 @@ def render_headline(results: Results, names: Sequence[str]) -> str:
             f"kvray {serve_ratio('peer'):.2f}x MooncakeStoreConnector, {serve_ratio('local'):.2f}x "
             "vLLM's own prefix cache (medians of per-rep ratios)",
             "bench_serve.json",
+        ],
+        [
+            "multi-user chat, working set over three times the engine's cache: TTFT",
+            f"kvray below vLLM's prefix cache: p50 {chat_ratio('local', 'p50_ttft_ms'):.2f}x, "
+            f"p90 {chat_ratio('local', 'p90_ttft_ms'):.2f}x the prefix cache alone; p50 "
+            f"{chat_ratio('peer', 'p50_ttft_ms'):.2f}x, "
+            f"p90 {chat_ratio('peer', 'p90_ttft_ms'):.2f}x MooncakeStoreConnector (medians of "
+            "per-rep ratios)",
+            "bench_workloads_chat.json",
         ],
         [
             "store get, blocks in a shared region",

@@ -221,6 +221,16 @@ class IndexKeeper:
         self.lost = 0
         """Markers of changes this keeper never got (a snapshot was asked for each)."""
 
+    def state(self) -> dict[str, int]:
+        """Where this keeper is in the stream: its position, the snapshots it took, the
+        markers it found no change for, and its node's changes still unmarked."""
+        return {
+            "seq": self.seq,
+            "snapshots": self.snapshots,
+            "lost": self.lost,
+            "unmarked": len(self._unconfirmed) + len(self._waiting),
+        }
+
     def apply_local(self, changes: list[IndexChange]) -> None:
         """Changes of this node's clients, as they make them. An SSD place the hub has not
         named yet has no bit here (bits are the hub's): its changes wait until it has."""

@@ -2,9 +2,12 @@
 node's block index by the time its saves are done; its scheduler answers lookups from the
 index, mapped in its own process, and makes no lookup call to the Lookup actor (the
 actor's lookup counter does not move); the step that loads the hits pins them with one
-call; the loads reproduce the engine's own output."""
+call; the loads reproduce the engine's own output; the node's keeper gets its own
+node's changes back from the pool's stream as markers, each finding its change."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -27,6 +30,11 @@ def index_pool(ray_cluster, engines):  # type: ignore[no-untyped-def]
 def lookup_stats(pool) -> dict[str, int]:  # type: ignore[no-untyped-def]
     stats: dict[str, int] = pool._h.lookup().snapshot().result(30)["stats"]
     return stats
+
+
+def keeper_state(pool) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    state: dict[str, int] = pool._h.lookup().snapshot().result(30)["index"]
+    return state
 
 
 def test_hits_and_misses_come_from_the_index_with_no_lookup_call(
@@ -60,5 +68,12 @@ def test_hits_and_misses_come_from_the_index_with_no_lookup_call(
         assert called[0] == called[1], "a lookup went to the Lookup actor"
         assert after["pins"] - before["pins"] == 1, "one pin call for the step that loaded"
         assert after["pin_failures"] == before["pin_failures"]
+        # The hub sent this node's own changes back as markers, each of which found its
+        # change here: the keeper took no snapshot but its first, and none is left unmarked
+        # once the stream caught up (its poll's limit brings the markers).
+        deadline = time.monotonic() + 10
+        while (state := keeper_state(index_pool))["unmarked"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state["unmarked"] == 0 and state["lost"] == 0 and state["snapshots"] == 1, state
     finally:
         index.close()

@@ -541,6 +541,7 @@ def main() -> int:
     table = summarize(runs, arms, cases_of(args))
     targets = chat_targets(runs, arms) if args.workload == "chat" else {}
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "smoke", "model_dir")}
+    settings["connector"] = json.dumps(args.connector)  # (its keys are the user's, not ours)
     meta = run_meta(**settings, block=BLOCK,
                     order="interleaved: per rep and case every arm in turn, rotated; "
                           "others paused (SIGSTOP)")  # fmt: skip

@@ -100,7 +100,7 @@ class LookupActor:
         while True:
             update = await manager.call(
                 partial(ManagerHandle.index_since, epoch=keeper.epoch, seq=keeper.seq,
-                        wait_s=INDEX_POLL_S, node=self._node_id)
+                        wait_s=INDEX_POLL_S, node="" if keeper.whole else self._node_id)
             )  # fmt: skip
             if update is None:
                 await asyncio.sleep(FLUSH_S)

@@ -18,9 +18,9 @@ them alone (they ride on the next update: another node's change or the poll's li
 keeper applies its own node's changes again at their markers, and after every update
 until their marker came: a snapshot taken before the hub had one, or another node's older
 change of the same keys, would otherwise erase it. A marker of a change the keeper never
-got (its call failed) makes the keeper ask for a snapshot. (Until the stream catches up,
-an entry can be briefly older than the node's latest change: the index is advisory, a
-stale hit a failed load.)
+got (its call failed) makes the keeper ask again for the same changes, whole. (Until the
+stream catches up, an entry can be briefly older than the node's latest change: the index
+is advisory, a stale hit a failed load.)
 
 A keeper whose position the log no longer reaches (it fell behind, or the hub is a new
 one after a manager restart: another ``epoch``) gets a snapshot instead: the hub's whole
@@ -219,7 +219,10 @@ class IndexKeeper:
         from the hub, which may carry older changes of the same keys (or a snapshot taken
         before the hub had them)."""
         self.lost = 0
-        """Markers of changes this keeper never got (a snapshot was asked for each)."""
+        """Updates with a marker of a change this keeper never got."""
+        self.whole = False
+        """Ask the hub for the changes whole, markers none (the last update had a marker
+        of a change this keeper never got: it asks again from the same position)."""
 
     def state(self) -> dict[str, int]:
         """Where this keeper is in the stream: its position, the snapshots it took, the
@@ -290,10 +293,11 @@ class IndexKeeper:
         # This node's newer changes win over what the hub sent (read your writes).
         for op, bits, raw, _, _ in self._unconfirmed:
             apply(self.index, op, bits, np.frombuffer(raw, dtype="<u8"))
-        self.epoch, self.seq = update.epoch, update.seq
-        if lost:  # a change of this node that never came here: the next update is a snapshot
+        self.whole = lost
+        if lost:  # a change of this node that never came here: the same changes again, whole
             self.lost += 1
-            self.epoch = ""
+        else:
+            self.epoch, self.seq = update.epoch, update.seq
         self.index.touch()
 
 

@@ -322,18 +322,22 @@ def test_a_long_poll_does_not_wake_for_the_keepers_own_nodes_changes():
     asyncio.run(scenario())
 
 
-def test_a_marker_of_a_change_the_keeper_never_got_brings_a_snapshot():
+def test_a_marker_of_a_change_the_keeper_never_got_brings_the_changes_again_whole():
     """A change of this node that did not reach its keeper (the call failed): its marker
-    makes the keeper ask for a snapshot, which has it."""
+    makes the keeper ask again from the same position, for the changes whole (no
+    snapshot), which have it."""
     hub = IndexHub(4096)
     keeper = IndexKeeper(BlockIndex.create(4096))
     keeper.apply(hub.since(keeper.epoch, keeper.seq, "node-a"))
+    seq = keeper.seq
     missed = Publisher("node-a")(OP_ADD, keys(3))
     hub.record([missed])  # never applied here
     keeper.apply(hub.since(keeper.epoch, keeper.seq, "node-a"))
-    assert keeper.lost == 1 and not keeper.index.tiers(key_digests(keys(3))).any()
-    update = hub.since(keeper.epoch, keeper.seq, "node-a")
-    assert update.snapshot is not None
+    assert keeper.lost == 1 and keeper.whole and keeper.seq == seq
+    assert not keeper.index.tiers(key_digests(keys(3))).any()
+    update = hub.since(keeper.epoch, keeper.seq, "" if keeper.whole else "node-a")
+    assert update.snapshot is None and [len(c[2]) for c in update.changes] == [24]
     keeper.apply(update)
+    assert not keeper.whole and keeper.snapshots == 1 and keeper.seq == hub.seq
     same(hub, keeper, keys(3))
     assert keeper.index.tiers(key_digests(keys(3))).tolist() == [DRAM] * 3

@@ -350,17 +350,23 @@ def run_summary(reqs: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def per_rep(runs: list[dict[str, Any]], case: str, arm: str, key: str) -> list[float]:
+    """``key`` of ``arm``'s runs of ``case``, in rep order (paired across arms)."""
+    sel = sorted((r for r in runs if r["case"] == case and r["arm"] == arm),
+                 key=lambda r: r["rep"])  # fmt: skip
+    return [r[key] for r in sel]
+
+
+def opt(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
 def summarize(
     runs: list[dict[str, Any]], arms: list[str], cases: list[str]
 ) -> list[dict[str, Any]]:
     """Per case and arm: medians over reps of each run's p50 / p90 TTFT, mean TPOT and
     end to end; paired per rep, the speedup of mean TTFT over ``none`` and the p50 TTFT
     over ``local`` and ``peer``."""
-
-    def per_rep(case: str, arm: str, key: str) -> list[float]:
-        sel = sorted((r for r in runs if r["case"] == case and r["arm"] == arm),
-                     key=lambda r: r["rep"])  # fmt: skip
-        return [r[key] for r in sel]
 
     table = []
     print()
@@ -370,29 +376,27 @@ def summarize(
         for arm in arms:
             row: dict[str, Any] = {"case": case, "arm": arm}
             for key in ("p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "mean_e2e_ms"):
-                row[key] = statistics.median(per_rep(case, arm, key))
+                row[key] = statistics.median(per_rep(runs, case, arm, key))
             for base, key, name in (("none", "mean_ttft_ms", "speedup_over_none"),
                                     ("local", "p50_ttft_ms", "p50_over_local"),
                                     ("peer", "p50_ttft_ms", "p50_over_peer")):  # fmt: skip
                 row[name] = None
                 if base in arms and arm != base:
-                    num, den = per_rep(case, base, key), per_rep(case, arm, key)
+                    num, den = per_rep(runs, case, base, key), per_rep(runs, case, arm, key)
                     if name == "speedup_over_none":
                         row[name] = paired_ratio(num, den)["median"]
                     else:
                         row[name] = paired_ratio(den, num)["median"]
-            row["pool_hit_blocks"] = sum(per_rep(case, arm, "pool_hit_blocks"))
-            row["total_blocks"] = sum(per_rep(case, arm, "total_blocks"))
+            row["pool_hit_blocks"] = sum(per_rep(runs, case, arm, "pool_hit_blocks"))
+            row["total_blocks"] = sum(per_rep(runs, case, arm, "total_blocks"))
             table.append(row)
-
-            def f(v: float | None, fmt: str) -> str:
-                return "-" if v is None else format(v, fmt)
 
             hits = f"{row['pool_hit_blocks']}/{row['total_blocks']}" if row["total_blocks"] else "-"
             print(f"{case:18} {arm:9} {row['p50_ttft_ms']:9.1f} {row['p90_ttft_ms']:9.1f} "
                   f"{row['mean_tpot_ms']:7.1f} {row['mean_e2e_ms']:8.1f} "
-                  f"{f(row['speedup_over_none'], '.2f'):>7} {f(row['p50_over_local'], '.2f'):>10} "
-                  f"{f(row['p50_over_peer'], '.2f'):>9} {hits:>10}")  # fmt: skip
+                  f"{opt(row['speedup_over_none'], '.2f'):>7} "
+                  f"{opt(row['p50_over_local'], '.2f'):>10} "
+                  f"{opt(row['p50_over_peer'], '.2f'):>9} {hits:>10}")  # fmt: skip
     print("\nms, medians over reps of each run's p50 / p90 TTFT, mean TPOT and end to end; "
           "x none: mean TTFT speedup over full compute, p50/local and p50/peer: p50 TTFT "
           "ratios; all paired per rep (medians)")  # fmt: skip
@@ -408,17 +412,15 @@ def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     """The chat's targets for kvray with prefix caching on, paired per rep (None where
     an arm was not run)."""
 
-    def per_rep(arm: str, key: str) -> list[float]:
-        sel = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["rep"])
-        return [r[key] for r in sel]
-
     out: dict[str, Any] = {}
     for base, key, bound in CHAT_TARGETS:
         name = f"kvray-pc {key.split('_')[0]} TTFT / {base}"
         entry: dict[str, Any] = {"median": None, "ci95": None, "ratios": None, "bound": bound,
                                  "met": None}  # fmt: skip
         if {"kvray-pc", base} <= set(arms):
-            ratio = paired_ratio(per_rep("kvray-pc", key), per_rep(base, key))
+            ratio = paired_ratio(
+                per_rep(runs, "chat", "kvray-pc", key), per_rep(runs, "chat", base, key)
+            )
             met = ratio["median"] <= bound
             entry.update(median=ratio["median"], ci95=ratio["ci95"], ratios=ratio["ratios"],
                          met=met)  # fmt: skip
@@ -506,7 +508,7 @@ def main() -> int:
     servers: dict[str, Server] = {}
     runs: list[dict[str, Any]] = []
     try:
-        servers, pool = start_arms(arms, model, max_len, env, tmp, args, stops)
+        servers, _pool = start_arms(arms, model, max_len, env, tmp, args, stops)
         client = bench_client() if args.workload == "prefix_repetition" else None
         meter = CpuMeter()
         for rep, case, arm in schedule(args, arms):
@@ -530,7 +532,6 @@ def main() -> int:
             log(f"   rep {rep} {case:16} {arm:9} p50 TTFT {run['p50_ttft_ms']:8.1f} ms "
                 f"p90 {run['p90_ttft_ms']:8.1f}  TPOT {run['mean_tpot_ms']:6.1f}  "
                 f"E2E {run['mean_e2e_ms']:8.1f}  ({wall:.1f} s)", stamp=True)  # fmt: skip
-        del pool
     finally:
         with ThreadPoolExecutor() as stopping:
             list(stopping.map(lambda s: s.stop(), servers.values()))

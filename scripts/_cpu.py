@@ -7,7 +7,9 @@ the pool's actors, and the Mooncake masters) is counted: user plus system time f
 engine's and whatever the pool and Ray did meanwhile (the pool's background work, the
 previous turn's saves finishing). A configuration's cost is its turn's CPU minus the
 no-connector configuration's for the same prompts in the same rep, per GB the pool moved
-(stored and loaded) in that turn.
+(stored and loaded) in that turn. A back-to-back turn's CPU is also split by process
+kind and by thread (:class:`PartsMeter`: the scheduler's nanosecond run times of each
+live thread), to show which of the pool's processes took it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ def _stat(pid: str) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S
 
 
+def part_of(pid: int) -> str:
+    """What a process is, for the CPU breakdown: a Ray worker by its title (``ray::``
+    and its actor class: ``ray::BackendClient``), vLLM's by theirs (``VLLM::EngineCore``),
+    anything else by its command name (``raylet``, ``gcs_server``, ``mooncake_master``)."""
+    try:
+        argv0 = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        )
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    title = argv0.split()[0] if argv0.split() else ""
+    if title.startswith(("ray::", "VLLM::")):
+        return title.split(".", 1)[0]
+    return comm
+
+
 class CpuMeter:
     """The CPU seconds used so far by every live process below ``root`` (this process)."""
 
@@ -38,6 +57,10 @@ class CpuMeter:
         self.root = os.getpid() if root is None else root
 
     def total_s(self) -> float:
+        return sum(self.by_pid().values())
+
+    def by_pid(self) -> dict[int, float]:
+        """CPU seconds so far of each live process below ``root``."""
         stats: dict[int, tuple[int, float]] = {}
         for name in os.listdir("/proc"):
             if name.isdigit() and (st := _stat(name)) is not None:
@@ -50,7 +73,57 @@ class CpuMeter:
                 if ppid in below and pid not in below:
                     below.add(pid)
                     grew = True
-        return sum(cpu for pid, (_, cpu) in stats.items() if pid in below and pid != self.root)
+        return {pid: cpu for pid, (_, cpu) in stats.items() if pid in below and pid != self.root}
+
+
+class PartsMeter(CpuMeter):
+    """A :class:`CpuMeter` that also splits a window's CPU by process (:func:`part_of`)
+    and by thread within it, from each thread's scheduler run time (``schedstat``:
+    nanoseconds, not the 10 ms ticks of ``stat``; a thread that ends within the window
+    takes its time with it)."""
+
+    def __init__(self, root: int | None = None) -> None:
+        super().__init__(root)
+        self._parts: dict[int, str] = {}
+
+    def snapshot(self) -> dict[tuple[int, int], float]:
+        """Run seconds so far of every thread of every process below ``root``."""
+        out: dict[tuple[int, int], float] = {}
+        for pid in self.by_pid():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    ns = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]
+                except OSError:
+                    continue
+                out[(pid, int(tid))] = int(ns) / 1e9
+        return out
+
+    def parts_since(
+        self, before: dict[tuple[int, int], float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """CPU seconds from ``before`` (a :meth:`snapshot`) to now: per process kind, and
+        per ``kind/thread name``."""
+        parts: dict[str, float] = {}
+        threads: dict[str, float] = {}
+        for (pid, tid), cpu in self.snapshot().items():
+            part = self._parts.get(pid)
+            if part is None or part == "ray::IDLE":
+                part = self._parts[pid] = part_of(pid)
+            used = cpu - before.get((pid, tid), 0.0)
+            if used <= 0:
+                continue
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            except OSError:
+                name = "gone"
+            parts[part] = parts.get(part, 0.0) + used
+            key = f"{part}/{name}"
+            threads[key] = threads.get(key, 0.0) + used
+        return parts, threads
 
 
 def cpu_per_gb(
@@ -71,15 +144,19 @@ def cpu_per_gb(
 def cpu_rows(
     row: dict[str, Any],
     reps: dict[tuple[str, int, float], list[float]],
+    splits: dict[tuple[str, int, float], list[dict[str, float]]],
     configs: Sequence[str],
     length: int,
     rate: float,
 ) -> None:
     """A back-to-back row's CPU: every configuration's per rep (``reps_cpu_<c>_s``) and,
     for each but no connector, its cost over it per GB kvray's pool moved in the same rep
-    (``cpu_<c>``; ``moved_gb`` the median bytes moved)."""
+    (``cpu_<c>``; ``moved_gb`` the median bytes moved), and its split by process kind and
+    by thread per rep (``reps_cpu_parts_<c>``, ``reps_cpu_threads_<c>``)."""
     for c in configs:
         row[f"reps_cpu_{c}_s"] = reps[(f"cpu_{c}", length, rate)]
+        row[f"reps_cpu_parts_{c}"] = splits[(f"cpu_parts_{c}", length, rate)]
+        row[f"reps_cpu_threads_{c}"] = splits[(f"cpu_threads_{c}", length, rate)]
     moved = [
         g + p
         for g, p in zip(
@@ -126,3 +203,28 @@ def print_cpu(rows: list[dict[str, Any]], configs: Sequence[str]) -> None:
         "connector's in the same rep; s/GB = that over the GB kvray's pool stored and loaded "
         "in the turn (the same prompts' bytes for every configuration)"
     )
+
+
+def print_cpu_parts(
+    rows: list[dict[str, Any]], configs: Sequence[str], top: int = 8, by: str = "parts"
+) -> None:
+    """Where each configuration's turn CPU went: the median over reps of each process
+    kind's (``by="threads"``: each thread name's) CPU milliseconds (absent from a rep:
+    0), the largest first."""
+    for r in rows:
+        medians: dict[str, dict[str, float]] = {}
+        for c in configs:
+            reps = r.get(f"reps_cpu_{by}_{c}") or []
+            names = {n for rep in reps for n in rep}
+            medians[c] = {n: statistics.median(rep.get(n, 0.0) for rep in reps) * 1e3
+                          for n in names}  # fmt: skip
+        most = {
+            n: max(m.get(n, 0.0) for m in medians.values()) for m in medians.values() for n in m
+        }
+        kinds = sorted(most, key=lambda n: -most[n])[:top]
+        what = "process" if by == "parts" else "thread"
+        print(f"\nCPU ms per turn by {what}, input {r['input_tokens']} hit {r['hit_rate']:.0%} "
+              "(median over reps)")  # fmt: skip
+        print(f"{what:>40} " + " ".join(f"{c:>9}" for c in configs))
+        for n in kinds:
+            print(f"{n[:40]:>40} " + " ".join(f"{medians[c].get(n, 0.0):9.1f}" for c in configs))

@@ -235,15 +235,17 @@ def bench_pool(
     """A kvray pool ``name`` in the connected Ray cluster (embedded master, one client per
     node), with the default config but ``settings``: ``checksum=False`` (what block
     checksums cost is measured against it), ``lookup_index=False`` (lookups as calls to
-    the Lookup actor, not answered from the node's block index), ..."""
+    the Lookup actor, not answered from the node's block index), ``mooncake={...}``
+    (merged into the client's settings), ..."""
     from kvray import Pool, PoolConfig
 
+    mooncake = {"global_segment_size": segment, "local_buffer_size": local_buffer}
     spec: dict[str, Any] = {
         "name": name,
         "world_size": 1,
         "detached": False,
         **settings,
-        "mooncake": {"global_segment_size": segment, "local_buffer_size": local_buffer},
+        "mooncake": {**mooncake, **settings.get("mooncake", {})},
     }
     if master is not None:
         spec["master"] = master

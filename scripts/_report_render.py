@@ -23,6 +23,7 @@ LABELS = {
     "actor": "kvray, Lookup actor",
     "hmaoff": "kvray, hybrid allocator off",
     "nice10": "kvray, saves at niceness 10",
+    "lazyseg": "kvray, segment mapped as stores write it",
 }
 """bench_ttft.py's configurations, as the tables name them."""
 

@@ -86,7 +86,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
-from _cpu import CpuMeter, cpu_rows, print_cpu  # noqa: E402
+from _cpu import PartsMeter, cpu_rows, print_cpu, print_cpu_parts  # noqa: E402
 from _engines import (  # noqa: E402
     FAMILIES,
     PEER_TRANSFER_CONFIG,
@@ -110,7 +110,7 @@ from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
 CONFIGS = (
     "full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor", "hmaoff",
-    "nice10",
+    "nice10", "lazyseg",
 )  # fmt: skip
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
@@ -125,6 +125,7 @@ LABELS = {
     "actor": "actor-lookups",
     "hmaoff": "kvray-hma-off",
     "nice10": "kvray-saves-nice-10",
+    "lazyseg": "kvray-lazy-segment",
 }
 PAIRS = (
     ("index", "kvray"),
@@ -136,6 +137,7 @@ PAIRS = (
     ("kvray", "peer"),
     ("peer", "full"),
     ("nice10", "full"),
+    ("kvray", "lazyseg"),
 )
 """The paired differences printed, where both configurations ran (kvray - full on the
 0 % rows: what a miss costs over an engine with no connector; kvray - peer and peer -
@@ -159,7 +161,9 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if states:
         spec["dtype"] = "bfloat16"  # (vLLM's CPU GDN kernel needs it)
-    if name in ("kvray", "staged", "nock", "index", "raycall", "actor", "hmaoff", "nice10"):
+    if name in (
+        "kvray", "staged", "nock", "index", "raycall", "actor", "hmaoff", "nice10", "lazyseg"
+    ):  # fmt: skip
         spec["prefix_caching"] = states
         pools = {
             "nock": "bench-nock",
@@ -167,6 +171,7 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
             "actor": "bench-actor",
             "hmaoff": "bench-hmaoff",
             "nice10": "bench-nice10",
+            "lazyseg": "bench-lazyseg",
         }
         extra = {
             "pool_name": pools.get(name, "bench"),
@@ -235,12 +240,16 @@ def main() -> int:
         ("actor", "bench-actor", {"lookup_index": False}),
         ("hmaoff", "bench-hmaoff", {}),
         ("nice10", "bench-nice10", {"save_niceness": 10}),
+        ("lazyseg", "bench-lazyseg", {"mooncake": {"prefault_segment": False}}),
     ):
         if name in configs:
             pools[name] = bench_pool(pool_name, SEGMENT, "256MB", master, **setting)
             stops.append(pools[name].shutdown)
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     reps: dict[tuple[str, int, float], list[float]] = {}
+    splits: dict[tuple[str, int, float], list[dict[str, float]]] = {}
+    """(cpu_parts_<config> | cpu_threads_<config>, length, rate) -> per rep, CPU seconds by
+    process kind | thread."""
     short: dict[tuple[str, int, float], list[int]] = {}
     b2b = bool(args.back_to_back)
     cached: dict[tuple[str, int, float], list[int]] = {}
@@ -270,14 +279,14 @@ def main() -> int:
         schedule = interleaved(configs, lengths, rates, args.reps, block, seed_tail=tail)
         capacity = {name: kv_capacity(engines[name].log()) for name in configs}
         cv = CopyVerifyFloor()
-        meter = CpuMeter()
+        meter = PartsMeter()
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
             for name in order:
                 # back to back: every configuration seeds, a miss's seed unrelated to it
                 needs_seed = args.back_to_back or (prefix_len > 0 and name != "full")
                 moved = (hybrid or b2b) and name in MOVED
                 before = pools[name].stats().total if moved else None
-                cpu0 = meter.total_s() if b2b else 0.0
+                cpu0 = meter.snapshot() if b2b else {}
                 answer = engines[name].turn(
                     seed if needs_seed else None,
                     probe,
@@ -285,9 +294,10 @@ def main() -> int:
                     reset_own=args.family in STATE_FAMILIES and name != "local",
                 )
                 if b2b:  # (the turn drained its probe's saves: its CPU is in)
-                    reps.setdefault((f"cpu_{name}", length, rate), []).append(
-                        meter.total_s() - cpu0
-                    )
+                    parts, threads = meter.parts_since(cpu0)
+                    reps.setdefault((f"cpu_{name}", length, rate), []).append(sum(parts.values()))
+                    splits.setdefault((f"cpu_parts_{name}", length, rate), []).append(parts)
+                    splits.setdefault((f"cpu_threads_{name}", length, rate), []).append(threads)
                 if before is not None:
                     after = pools[name].stats().total
                     reps.setdefault((f"get_{name}", length, rate), []).append(
@@ -331,7 +341,7 @@ def main() -> int:
                     row[f"reps_stored_bytes_{name}"] = put
                     row[f"stored_bytes_{name}"] = statistics.median(put)
             if b2b and "full" in configs:
-                cpu_rows(row, reps, configs, length, rate)
+                cpu_rows(row, reps, splits, configs, length, rate)
             if floor:
                 row["reps_floor_s"] = floors = reps[("floor", length, rate)]
                 pairs = zip(row["reps_staged_s"], row["reps_local_s"], strict=True)
@@ -359,6 +369,8 @@ def main() -> int:
                   for r in rows if r["hit_rate"]))  # fmt: skip
     if b2b:
         print_cpu(rows, configs)
+        print_cpu_parts(rows, configs)
+        print_cpu_parts(rows, configs, top=16, by="threads")
     if hybrid:
         print_family(rows, capacity, args.family)
         if all("kvray_minus_local_minus_copyverify_ms" in r for r in rows):

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal, groups
 from kvray.backends.blocking import BlockingCalls
+from kvray.backends.segment_warmer import SegmentWarmer, anonymous_ranges, new_ranges
 from kvray.config import MooncakeConfig, parse_host_port
 from kvray.errors import BackendUnavailableError
 from kvray.servers.process import check_reachable
@@ -138,6 +139,7 @@ class MooncakeBackend(Backend):
         segment = config.global_segment_size if contribute_memory else 0
         store = MooncakeDistributedStore()
         started = time.monotonic()
+        before = anonymous_ranges() if segment and config.prefault_segment else None
         rc = store.setup(
             # kvray's node actors fill in their node's address; a client made directly
             # (tests, tools without Ray) advertises loopback.
@@ -165,6 +167,15 @@ class MooncakeBackend(Backend):
         self._store = store
         self._segment_bytes = segment
         self._segment_name = str(store.get_hostname())
+        self._warmer: SegmentWarmer | None = None
+        if before is not None:
+            # (the largest new mappings, as much as the segment: not the local buffer)
+            ranges, room = [], segment
+            for lo, hi in new_ranges(before, anonymous_ranges()):
+                if room > 0:
+                    ranges.append((lo, min(hi, lo + room)))
+                    room -= hi - lo
+            self._warmer = SegmentWarmer.start(ranges, f"mooncake client {self._segment_name}")
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = replica_num
         if segment and (config.preferred_segment or config.prefer_alloc_in_same_node):
@@ -299,6 +310,8 @@ class MooncakeBackend(Backend):
             "backend": self.name,
             "segment": self._segment_name,
             "segment_bytes": self._segment_bytes,
+            # (mapped ahead of stores so far: prefault_segment)
+            "segment_mapped_bytes": self._warmer.mapped if self._warmer else None,
             "master": self._address,
             "protocol": self._config.protocol,
             "ssd_offload_path": self._config.ssd_offload_path
@@ -307,4 +320,6 @@ class MooncakeBackend(Backend):
         }
 
     async def close(self) -> None:
+        if self._warmer is not None:
+            await asyncio.to_thread(self._warmer.stop)
         await self._call.close(self._store.close)

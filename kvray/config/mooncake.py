@@ -123,6 +123,12 @@ class MooncakeConfig(_Strict):
     """Memory each BackendClient contributes to the pool ("1GB", "1024MB", int bytes)."""
     local_buffer_size: ByteSize = 256 * MiB
     """Client-local transfer buffer Mooncake allocates for its own copies."""
+    prefault_segment: bool = True
+    """Map each storing client's segment in the background after start, at idle CPU
+    priority, so stores copy into mapped pages instead of faulting each page in beside
+    the engines' forwards (skipped, with a warning, when the segment does not fit in 90 %
+    of the host's available memory). False: Mooncake's own behaviour, pages mapped as
+    stores first write them."""
     preferred_segment: bool = False
     """Place every put in this rank's own segment (reads stay process-local)."""
     prefer_alloc_in_same_node: bool = True

@@ -191,7 +191,7 @@ def print_cpu(rows: list[dict[str, Any]], configs: Sequence[str]) -> None:
                 cells.append(f"{'-':>16} {'-':>12}")
                 continue
             per = got["cpu_s_per_gb"]
-            cells.append(f"{got['extra_cpu_ms']:16.1f} {per if per is None else f'{per:.2f}':>12}")
+            cells.append(f"{got['extra_cpu_ms']:16.1f} {'-' if per is None else f'{per:.2f}':>12}")
         print(
             f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} "
             + " ".join(cells)

@@ -156,6 +156,42 @@ with prefix caching on, so kvray's engines run with it on, and their own prefix 
 emptied between the seed and the probe (the probe's hit can only come from the pool)."""
 
 
+def miss_twin(length: int, rep: int) -> list[int]:
+    """A back-to-back miss's twin: unrelated tokens of the same length (every engine of
+    the rep gets the same)."""
+    import numpy as np
+
+    tokens: list[int] = (
+        np.random.default_rng([length, rep, 0x7717]).integers(3, 1000, length).tolist()
+    )
+    return tokens
+
+
+def twin_rows(
+    row: dict[str, Any],
+    reps: dict[tuple[str, int, float], list[float]],
+    configs: list[str],
+    length: int,
+    rate: float,
+) -> None:
+    """A back-to-back miss row's calibration: each configuration's twin per rep
+    (``reps_twin_<c>_s``), and for each but no connector what the pool's work in flight
+    cost its probe: per rep (probe - twin) of it minus (probe - twin) of no connector
+    (``<c>_inflight_cost_ms``). Each engine is its own baseline there, so what one
+    engine process computes faster or slower than another (seen: 25 % between two
+    engines of one run) drops out; what a request costs the connector on every miss
+    (its lookup, the hooks) drops out too: ``<c>_minus_full_ms`` keeps it."""
+    for c in configs:
+        row[f"reps_twin_{c}_s"] = reps[(f"twin_{c}", length, rate)]
+    own = {
+        c: [p - t for p, t in zip(row[f"reps_{c}_s"], row[f"reps_twin_{c}_s"], strict=True)]
+        for c in configs
+    }
+    for c in configs:
+        if c != "full":
+            row[f"{c}_inflight_cost_ms"] = paired_difference_ms(own[c], own["full"])
+
+
 def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> dict[str, Any]:
     states = family in STATE_FAMILIES
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
@@ -281,6 +317,8 @@ def main() -> int:
         cv = CopyVerifyFloor()
         meter = PartsMeter()
         for done, (length, rate, rep, prefix_len, seed, probe, order) in enumerate(schedule, 1):
+            # a back-to-back miss's twin: a like miss with nothing in flight, on each engine
+            twin = miss_twin(length, rep) if b2b and not prefix_len else None
             for name in order:
                 # back to back: every configuration seeds, a miss's seed unrelated to it
                 needs_seed = args.back_to_back or (prefix_len > 0 and name != "full")
@@ -292,7 +330,12 @@ def main() -> int:
                     probe,
                     back_to_back=args.back_to_back,
                     reset_own=args.family in STATE_FAMILIES and name != "local",
+                    twin=twin,
                 )
+                if twin is not None:
+                    reps.setdefault((f"twin_{name}", length, rate), []).append(
+                        answer["twin_ttft_s"]
+                    )
                 if b2b:  # (the turn drained its probe's saves: its CPU is in)
                     parts, threads = meter.parts_since(cpu0)
                     reps.setdefault((f"cpu_{name}", length, rate), []).append(sum(parts.values()))
@@ -342,6 +385,8 @@ def main() -> int:
                     row[f"stored_bytes_{name}"] = statistics.median(put)
             if b2b and "full" in configs:
                 cpu_rows(row, reps, splits, configs, length, rate)
+            if ("twin_full", length, rate) in reps:
+                twin_rows(row, reps, configs, length, rate)
             if floor:
                 row["reps_floor_s"] = floors = reps[("floor", length, rate)]
                 pairs = zip(row["reps_staged_s"], row["reps_local_s"], strict=True)
@@ -367,6 +412,14 @@ def main() -> int:
                   f"{r['input_tokens']}/{r['hit_rate']:.0%} "
                   + " ".join(f"{LABELS[c]} {r[f'short_hits_{c}']}" for c in configs)
                   for r in rows if r["hit_rate"]))  # fmt: skip
+    if b2b and any(f"{c}_inflight_cost_ms" in r for r in rows for c in configs):
+        print_paired_each(
+            rows, configs, "inflight_cost_ms", "in flight",
+            "in flight = median over reps of (probe - twin) of the configuration minus (probe "
+            "- twin) of no connector, paired; twin = a like miss timed on the same engine "
+            "after the probe's saves drained: what the pool's work in flight cost the probe, "
+            "each engine its own baseline",
+        )  # fmt: skip
     if b2b:
         print_cpu(rows, configs)
         print_cpu_parts(rows, configs)
@@ -456,6 +509,17 @@ def print_paired(rows: list[dict[str, Any]], key: str, title: str, show: Any, no
             f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {show(c['median']):>17} "
             f"{'[' + show(lo) + ', ' + show(hi) + ']':>17} {c['pairs']:>6}"
         )
+    print(note)
+
+
+def print_paired_each(
+    rows: list[dict[str, Any]], configs: list[str], suffix: str, title: str, note: str
+) -> None:
+    """``<config>_<suffix>`` of every configuration that has it, on the rows that have it."""
+    for c in configs:
+        have = [r for r in rows if f"{c}_{suffix}" in r]
+        if have:
+            print_paired(have, f"{c}_{suffix}", f"{LABELS[c]} {title} ms", lambda v: f"{v:.2f}", "")
     print(note)
 
 

@@ -253,6 +253,13 @@ def render_ttft(results: Results, names: Sequence[str]) -> str:
                 f"Probes (of {reps}) that found less than the prefix cached (the seed's saves "
                 "still in flight): " + "; ".join(shorts) + ".\n\n"
             )
+    if any(k.endswith("_inflight_cost_ms") for k in paired):
+        notes += (
+            "In flight: per rep, (probe - twin) of the configuration minus (probe - twin) of "
+            "no connector, where the twin is a like miss timed on the same engine after the "
+            "probe's saves drained: what the pool's work still in flight cost the probe, "
+            "each engine its own baseline.\n\n"
+        )
     cpu = [c for c in configs if f"cpu_{c}" in rows[-1]]
     if cpu:
         notes += _cpu_table(rows, cpu) + "\n\n"
@@ -272,7 +279,7 @@ def _cpu_table(rows: Sequence[dict[str, Any]], configs: Sequence[str]) -> str:
         row += [f(r[f"cpu_{c}"]["cpu_s_per_gb"], 2) for c in configs]
         out.append(row)
     return (
-        "CPU time per turn (seed and probe, user + system of every process below the "
+        "CPU time per turn (its requests, user + system of every process below the "
         "benchmark: the engines, Ray, the pool's actors, the masters), median over reps of "
         "each configuration's minus no connector's in the same rep; per GB: that over the "
         "bytes kvray's pool stored and loaded in the turn (the same prompts' bytes for "
@@ -283,6 +290,8 @@ def _cpu_table(rows: Sequence[dict[str, Any]], configs: Sequence[str]) -> str:
 def _paired_label(key: str) -> str:
     if key == "checksum_cost":
         return "checksum cost, paired [95 % CI]"
+    if key.endswith("_inflight_cost_ms"):
+        return f"{key.removesuffix('_inflight_cost_ms')} in flight ms, paired [95 % CI]"
     words = key.removesuffix("_ms").replace("_minus_", " - ").replace("local", "ideal")
     return f"{words} ms, paired [95 % CI]"
 

@@ -11,14 +11,21 @@ python="${PYTHON:-python3}"
 need_apt=()
 # Mooncake's transfer engine links libibverbs.so.1 but its wheel does not ship it.
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need_apt+=(libibverbs1)
-# vLLM's CPU engines allocate with tcmalloc (its platform preloads the copy its wheels
-# bundle; the CPU wheel on PyPI has none): the benchmarks preload the system's.
-ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4 ' || need_apt+=(libtcmalloc-minimal4)
 # The multi-node test harness (kvray.testing.multinode, root only) brings up loopback in
 # its own network namespace with `ip` and enters nodes with util-linux's unshare/nsenter.
 if [ "$(id -u)" = 0 ]; then
     command -v ip >/dev/null || need_apt+=(iproute2)
     command -v nsenter >/dev/null || need_apt+=(util-linux)
+fi
+# vLLM's CPU engines allocate with tcmalloc (its platform preloads the copy its wheels
+# bundle; the CPU wheel on PyPI has none): the benchmarks preload the system's. Wanted,
+# not needed: without it they run on glibc's malloc and say so.
+if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4 '; then
+    if [ "$(id -u)" = 0 ]; then
+        need_apt+=(libtcmalloc-minimal4)
+    else
+        echo "!! libtcmalloc-minimal4 is not installed: the benchmarks' engines run on glibc's malloc (sudo apt-get install libtcmalloc-minimal4)" >&2
+    fi
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then

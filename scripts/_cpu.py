@@ -76,6 +76,10 @@ class CpuMeter:
         return {pid: cpu for pid, (_, cpu) in stats.items() if pid in below and pid != self.root}
 
 
+THREAD_MIN_S = 0.0005
+"""A thread that ran less than this in a window is not listed in its split."""
+
+
 class PartsMeter(CpuMeter):
     """A :class:`CpuMeter` that also splits a window's CPU by process (:func:`part_of`)
     and by thread within it, from each thread's scheduler run time (``schedstat``:
@@ -123,7 +127,8 @@ class PartsMeter(CpuMeter):
             parts[part] = parts.get(part, 0.0) + used
             key = f"{part}/{name}"
             threads[key] = threads.get(key, 0.0) + used
-        return parts, threads
+        # (threads that ran under THREAD_MIN_S in the window are left out of the split)
+        return parts, {k: round(v, 6) for k, v in threads.items() if v >= THREAD_MIN_S}
 
 
 def cpu_per_gb(
@@ -152,11 +157,12 @@ def cpu_rows(
     """A back-to-back row's CPU: every configuration's per rep (``reps_cpu_<c>_s``) and,
     for each but no connector, its cost over it per GB kvray's pool moved in the same rep
     (``cpu_<c>``; ``moved_gb`` the median bytes moved), and its split by process kind and
-    by thread per rep (``reps_cpu_parts_<c>``, ``reps_cpu_threads_<c>``)."""
+    by thread: per rep by process kind (``reps_cpu_parts_<c>``), and the median over reps
+    by thread (``cpu_threads_ms_<c>``, milliseconds; a thread absent from a rep counts 0)."""
     for c in configs:
         row[f"reps_cpu_{c}_s"] = reps[(f"cpu_{c}", length, rate)]
         row[f"reps_cpu_parts_{c}"] = splits[(f"cpu_parts_{c}", length, rate)]
-        row[f"reps_cpu_threads_{c}"] = splits[(f"cpu_threads_{c}", length, rate)]
+        row[f"cpu_threads_ms_{c}"] = split_medians(splits[(f"cpu_threads_{c}", length, rate)])
     moved = [
         g + p
         for g, p in zip(
@@ -205,6 +211,12 @@ def print_cpu(rows: list[dict[str, Any]], configs: Sequence[str]) -> None:
     )
 
 
+def split_medians(reps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per name, the median over reps of its seconds (absent from a rep: 0), in ms."""
+    names = {n for rep in reps for n in rep}
+    return {n: round(statistics.median(rep.get(n, 0.0) for rep in reps) * 1e3, 3) for n in names}
+
+
 def print_cpu_parts(
     rows: list[dict[str, Any]], configs: Sequence[str], top: int = 8, by: str = "parts"
 ) -> None:
@@ -214,10 +226,10 @@ def print_cpu_parts(
     for r in rows:
         medians: dict[str, dict[str, float]] = {}
         for c in configs:
-            reps = r.get(f"reps_cpu_{by}_{c}") or []
-            names = {n for rep in reps for n in rep}
-            medians[c] = {n: statistics.median(rep.get(n, 0.0) for rep in reps) * 1e3
-                          for n in names}  # fmt: skip
+            if by == "threads":
+                medians[c] = r.get(f"cpu_threads_ms_{c}") or {}
+            else:
+                medians[c] = split_medians(r.get(f"reps_cpu_parts_{c}") or [])
         most = {
             n: max(m.get(n, 0.0) for m in medians.values()) for m in medians.values() for n in m
         }

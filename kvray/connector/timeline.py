@@ -129,6 +129,9 @@ class Timeline:
     """Of ``load_wait_ms``, the BackendClient's own time (:class:`StepTimes`)."""
     forward_ms: float | None = None
     """Of the step computing the first token (its whole prefill when it has one step)."""
+    save_ms: float | None = None
+    """Of that step: ``wait_for_save``, sending its saves (staged: gathering them first),
+    after the forward and before the first token is sampled."""
     first_token_ms: float | None = None
     """That step's output was back in the scheduler."""
     prefill_steps: int = 0

@@ -71,6 +71,7 @@ class RequestTimelines:
                 if step == times.step:
                     tl.load_wait_ms, tl.forward_ms = times.load_wait_ms, times.forward_ms
                     tl.load_served_ms = times.load_served_ms
+                    tl.save_ms = times.save_ms
                 self._log_parked(rid)
 
     def async_loaded(self, rids: set[str]) -> None:

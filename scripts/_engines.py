@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -344,6 +345,7 @@ TCMALLOC_PATHS = (
 )
 
 
+@functools.cache
 def tcmalloc() -> str | None:
     """The tcmalloc every benchmark engine runs with, as vLLM's CPU platform preloads the
     one its wheels bundle (``vllm/libs``; the CPU wheel here has none, so the system's,
@@ -351,15 +353,11 @@ def tcmalloc() -> str | None:
     activations afresh (measured: 86,000 to 317,000 page faults in 20 s per engine of
     one run, the engines 25 ms apart on the same prompts). None: not installed (said once)."""
     found = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
-    if found is None and not _said_no_tcmalloc:
-        _said_no_tcmalloc.append(True)
+    if found is None:
         print("!! no libtcmalloc_minimal.so.4: the engines run on glibc's malloc, whose "
               "page faults make engines of one run differ (apt-get install "
               "libtcmalloc-minimal4)", file=sys.stderr)  # fmt: skip
     return found
-
-
-_said_no_tcmalloc: list[bool] = []
 
 
 def kvray_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,19 @@ PAIRS = (
 """The paired differences printed, where both configurations ran (kvray - full on the
 0 % rows: what a miss costs over an engine with no connector; kvray - peer and peer -
 full beside it)."""
+OWN_POOLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nock": ("bench-nock", {"checksum": False}),
+    "index": ("bench-ix", {"lookup_index": True}),
+    "actor": ("bench-actor", {"lookup_index": False}),
+    "hmaoff": ("bench-hmaoff", {}),
+    "nice10": ("bench-nice10", {"save_niceness": 10}),
+    "lazyseg": ("bench-lazyseg", {"mooncake": {"prefault_segment": False}}),
+}
+"""Configurations that run kvray's engine on a pool of their own: its name and its
+settings over the defaults. nock: without block checksums (their cost: kvray / nock);
+index: lookup_index set (now the default); actor: lookups as calls to the Lookup actor;
+hmaoff: its own pool only (its blocks beside kvray's would evict the seeds'); nice10:
+save_niceness 10; lazyseg: the Mooncake segment mapped as stores write it."""
 BLOCK = 128
 SEGMENT = "4GB"
 """Each pool's (and the peer's master's) memory: room for a default run's blocks."""
@@ -197,20 +210,10 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if states:
         spec["dtype"] = "bfloat16"  # (vLLM's CPU GDN kernel needs it)
-    if name in (
-        "kvray", "staged", "nock", "index", "raycall", "actor", "hmaoff", "nice10", "lazyseg"
-    ):  # fmt: skip
+    if name in ("kvray", "staged", "raycall") or name in OWN_POOLS:
         spec["prefix_caching"] = states
-        pools = {
-            "nock": "bench-nock",
-            "index": "bench-ix",
-            "actor": "bench-actor",
-            "hmaoff": "bench-hmaoff",
-            "nice10": "bench-nice10",
-            "lazyseg": "bench-lazyseg",
-        }
         extra = {
-            "pool_name": pools.get(name, "bench"),
+            "pool_name": OWN_POOLS[name][0] if name in OWN_POOLS else "bench",
             # (a hybrid model's loads are async: vLLM takes their failures per request only)
             "load_async": family != "llama",
             "kv_placement": "staged" if name == "staged" else "shared",
@@ -265,19 +268,8 @@ def main() -> int:
     # refuses puts, and a probe's seed can be gone before the probe (the run is void).
     pool, ray_address = start_bench_pool(segment=SEGMENT, master=master)
     stops = [pool.shutdown]
-    # nock: kvray as "kvray", on a pool without block checksums (their cost: kvray / nock);
-    # index: on a pool of its own with lookup_index set (now the default); actor: on a
-    # pool whose lookups are calls to the Lookup actor.
-    # hmaoff: on a pool of its own (its blocks beside kvray's would evict the seeds').
     pools = {"kvray": pool}
-    for name, pool_name, setting in (
-        ("nock", "bench-nock", {"checksum": False}),
-        ("index", "bench-ix", {"lookup_index": True}),
-        ("actor", "bench-actor", {"lookup_index": False}),
-        ("hmaoff", "bench-hmaoff", {}),
-        ("nice10", "bench-nice10", {"save_niceness": 10}),
-        ("lazyseg", "bench-lazyseg", {"mooncake": {"prefault_segment": False}}),
-    ):
+    for name, (pool_name, setting) in OWN_POOLS.items():
         if name in configs:
             pools[name] = bench_pool(pool_name, SEGMENT, "256MB", master, **setting)
             stops.append(pools[name].shutdown)
@@ -509,7 +501,8 @@ def print_paired(rows: list[dict[str, Any]], key: str, title: str, show: Any, no
             f"{r['input_tokens']:>6} {r['hit_rate']:>5.0%} {show(c['median']):>17} "
             f"{'[' + show(lo) + ', ' + show(hi) + ']':>17} {c['pairs']:>6}"
         )
-    print(note)
+    if note:
+        print(note)
 
 
 def print_paired_each(

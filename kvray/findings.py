@@ -30,6 +30,18 @@ class Finding:
         return "\n".join(parts)
 
 
+def mem_available() -> int | None:
+    """The host's available memory in bytes (``MemAvailable``; None: not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class Host:
     """What the checks read of this machine (tests pass their own)."""
@@ -43,14 +55,7 @@ class Host:
 
     @classmethod
     def probe(cls) -> Host:
-        mem = None
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        mem = int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        mem = mem_available()
         try:
             shm: int | None = shutil.disk_usage("/dev/shm").free
         except OSError:

@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvray.findings import mem_available
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
@@ -67,13 +69,6 @@ def new_ranges(before: list[Range], after: list[Range], min_bytes: int = MIN_RAN
     return sorted(out, key=lambda r: r[0] - r[1])
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
 class SegmentWarmer:
     """Maps ``ranges`` in the background, at idle priority; :meth:`stop` before the
     memory is freed."""
@@ -94,7 +89,7 @@ class SegmentWarmer:
         total = sum(hi - lo for lo, hi in ranges)
         if not total:
             return None
-        avail = available_bytes()
+        avail = mem_available()
         if avail is not None and total > HEADROOM * avail:
             logger.warning(
                 "%s: not mapping its %d MiB segment ahead of stores: the host has %d MiB "

@@ -58,5 +58,5 @@ def test_the_warmer_maps_every_page_and_keeps_the_bytes_stores_wrote():
 
 
 def test_a_segment_larger_than_the_memory_available_is_left_to_the_stores(monkeypatch):
-    monkeypatch.setattr("kvray.backends.segment_warmer.available_bytes", lambda: 100 * MiB)
+    monkeypatch.setattr("kvray.backends.segment_warmer.mem_available", lambda: 100 * MiB)
     assert SegmentWarmer.start([(0, 200 * MiB)], "test segment") is None

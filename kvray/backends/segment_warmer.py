@@ -7,12 +7,18 @@ kernel zeroes the page, then the store copies over it). Measured on a 2-core hos
 once the segment was mapped. The pool keeps filling its segments for hours after a
 start, and those faults run beside the engines' forwards.
 
-:class:`SegmentWarmer` maps the pages with ``madvise(MADV_POPULATE_WRITE)`` on a thread
-at idle CPU priority (``SCHED_IDLE``: it runs only on a core nothing else wants), in
-chunks, after the client is up. A page that is already mapped, or that a store writes
-meanwhile, is left as it is: populating maps missing pages and never changes bytes. The
-segment is found as the anonymous memory the client's setup mapped
-(:func:`anonymous_ranges` before and after).
+:class:`SegmentWarmer` maps the pages with ``madvise(MADV_POPULATE_WRITE)`` on a thread of
+its own after the client is up, in small chunks, paced to a tenth of a core. A page that
+is already mapped, or that a store writes meanwhile, is left as it is: populating maps
+missing pages and never changes bytes. The segment is found as the anonymous memory the
+client's setup mapped (:func:`anonymous_ranges` before and after).
+
+The thread keeps the process's scheduling priority. While it maps a chunk it holds the
+process's memory-map lock, which every other thread that maps or unmaps memory (an
+allocator, Ray's threads) then waits for. At idle priority it held that lock for as long
+as a busy host left it without a core: seen as a pool's client that answered no store for
+over a minute under a loaded soak. Small chunks at the process's priority hold it for well
+under a millisecond of work; the pace keeps the thread off the engines' cores.
 """
 
 from __future__ import annotations
@@ -31,8 +37,12 @@ logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
 """Linux 5.14 and later."""
-CHUNK = 64 << 20
-"""Bytes mapped per call (a stop request waits for at most one)."""
+CHUNK = 2 << 20
+"""Bytes mapped per call: the memory-map lock is held for one (a fraction of a millisecond
+of work), and a stop waits for at most one."""
+DUTY = 0.1
+"""The share of one core the thread takes: after each chunk it sleeps nine times as long as
+the chunk took (a 4 GiB segment: about 15 s on an idle 2-core host)."""
 MIN_RANGE = 16 << 20
 """Smaller new mappings (thread stacks, allocator arenas) are not the segment."""
 HEADROOM = 0.9
@@ -70,8 +80,8 @@ def new_ranges(before: list[Range], after: list[Range], min_bytes: int = MIN_RAN
 
 
 class SegmentWarmer:
-    """Maps ``ranges`` in the background, at idle priority; :meth:`stop` before the
-    memory is freed."""
+    """Maps ``ranges`` in the background, paced to :data:`DUTY` of a core; :meth:`stop`
+    before the memory is freed."""
 
     def __init__(self, ranges: list[Range], what: str) -> None:
         self.ranges = ranges
@@ -102,20 +112,16 @@ class SegmentWarmer:
         return warmer
 
     def _run(self) -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):  # (no such policy here: the lowest niceness)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         started = time.monotonic()
+        pause = (1 - DUTY) / DUTY
         try:
             for lo, hi in self.ranges:
                 for at in range(lo, hi, CHUNK):
-                    if self._stop.is_set():
-                        return
                     n = min(CHUNK, hi - at)
+                    t0 = time.monotonic()
                     while madvise(at, n, MADV_POPULATE_WRITE) != 0:
                         err = ctypes.get_errno()
                         if err == errno.EINTR:
@@ -128,12 +134,14 @@ class SegmentWarmer:
                                            self.what, os.strerror(err))  # fmt: skip
                         return
                     self.mapped += n
+                    if self._stop.wait((time.monotonic() - t0) * pause):
+                        return
         finally:
             self.seconds = time.monotonic() - started
             self.done.set()
             if self.mapped == self.total:
-                logger.info("%s: segment mapped ahead of stores (%d MiB in %.1f s at idle "
-                            "priority)", self.what, self.total >> 20, self.seconds)  # fmt: skip
+                logger.info("%s: segment mapped ahead of stores (%d MiB in %.1f s)",
+                            self.what, self.total >> 20, self.seconds)  # fmt: skip
 
     def stop(self) -> None:
         """Stop mapping and wait for the call in progress (before the memory is freed)."""

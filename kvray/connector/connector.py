@@ -145,6 +145,8 @@ class KVRayConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # ---- scheduler side ------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ hits, never a stalled engine.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 REPORT_S = 1.0
 """How often a scheduler sends the counters of the lookups its index answered to the
 node's Lookup actor (so ``kvray status`` and the pool's metrics count them)."""
+FINISHED_REPORT_S = 0.05
+"""A finished request's counters are sent this long after it finished (at most every
+:data:`REPORT_S`), from a thread of their own: never a Ray call on the request's path."""
 
 
 Warn = Callable[..., None]
@@ -102,8 +106,14 @@ class Lookups:
         self._pending: dict[str, PendingLookup] = {}
         self._counts: dict[str, int] = {}
         """Lookup counters of the index's answers not yet reported to the Lookup actor."""
+        self._counts_lock = threading.Lock()
+        """Taken by the scheduler's thread to count, and by whichever thread sends."""
         self._reported_at = 0.0
         self._checked_at = 0.0
+        self._finished = threading.Event()
+        """A request finished with counters not yet sent: the reporter thread sends them."""
+        self._reporter: threading.Thread | None = None
+        self._closed = False
 
     @property
     def space(self) -> KeySpace:
@@ -156,19 +166,21 @@ class Lookups:
     def _count(self, answer: Answer, n: int, ssd_only: int) -> None:
         """The pool's lookup counters (``kvray status``, metrics) for a lookup the index
         answered: sent to the Lookup actor at most every :data:`REPORT_S`."""
-        c = self._counts
-        c["lookups"] = c.get("lookups", 0) + 1
-        c["lookup_blocks"] = c.get("lookup_blocks", 0) + n
-        c["lookup_hit_blocks"] = c.get("lookup_hit_blocks", 0) + answer.hits
-        c["lookup_ssd_blocks"] = c.get("lookup_ssd_blocks", 0) + ssd_only
-        if answer.miss:
-            name = miss_counter(answer.miss)
-            c[name] = c.get(name, 0) + n - answer.hits
+        with self._counts_lock:
+            c = self._counts
+            c["lookups"] = c.get("lookups", 0) + 1
+            c["lookup_blocks"] = c.get("lookup_blocks", 0) + n
+            c["lookup_hit_blocks"] = c.get("lookup_hit_blocks", 0) + answer.hits
+            c["lookup_ssd_blocks"] = c.get("lookup_ssd_blocks", 0) + ssd_only
+            if answer.miss:
+                name = miss_counter(answer.miss)
+                c[name] = c.get(name, 0) + n - answer.hits
 
     def count(self, name: str, n: int) -> None:
         """Add ``n`` to the pool's counter ``name`` (a :class:`~kvray.stats.RankStats`
         field), reported with the index's counters."""
-        self._counts[name] = self._counts.get(name, 0) + n
+        with self._counts_lock:
+            self._counts[name] = self._counts.get(name, 0) + n
 
     def _index_gone(self, index: BlockIndex) -> bool:
         """Whether ``index``'s keeper is gone (restarted, or its pool stopped); if so it is
@@ -181,20 +193,63 @@ class Lookups:
                    "Lookup actor until the scheduler maps the new one")  # fmt: skip
         return True
 
-    def report(self, *, now: bool = False) -> None:
+    def report(self, *, finished: bool = False) -> None:
         """Send the index's lookup counters to the Lookup actor (one call, not waited
-        for): once per scheduler step at most every :data:`REPORT_S`, and (``now``) when
-        a request finished, so the pool's counters include it. A step also unmaps an
+        for): once per scheduler step at most every :data:`REPORT_S`; ``finished`` (a
+        request finished, and with it maybe the engine's last step for a while): the
+        reporter thread sends them :data:`FINISHED_REPORT_S` later, so the pool's
+        counters include the request without a call on its path. A step also unmaps an
         index whose keeper is gone (a pool stopped under a running engine)."""
         at = time.monotonic()
-        if not now and at - self._checked_at >= REPORT_S:  # a stat: once a second at most
+        if not finished and at - self._checked_at >= REPORT_S:  # a stat: once a second
             self._checked_at = at
             if self._index is not None:
                 self._index_gone(self._index)
-        if self._counts and (now or at - self._reported_at >= REPORT_S):
+        if not self._counts:
+            return
+        if finished:
+            if self._reporter is None:
+                self._reporter = threading.Thread(
+                    target=self._report_finished, name="kvray-lookup-reports", daemon=True
+                )
+                self._reporter.start()
+            self._finished.set()
+        elif at - self._reported_at >= REPORT_S:
+            self._send()
+
+    def _send(self) -> None:
+        with self._counts_lock:
             counts, self._counts = self._counts, {}
-            self._reported_at = at
+            self._reported_at = time.monotonic()
+        if counts:
             self._handle.report(counts)
+
+    def _report_finished(self) -> None:
+        while True:
+            self._finished.wait()
+            if self._closed:
+                return
+            due = max(FINISHED_REPORT_S, self._reported_at + REPORT_S - time.monotonic())
+            time.sleep(due)
+            self._finished.clear()
+            if self._closed:
+                return
+            self._send_or_warn()
+
+    def _send_or_warn(self) -> None:
+        """:meth:`_send` off the scheduler's path, where a failure has no caller."""
+        try:
+            self._send()
+        except Exception as exc:  # (Ray going down with the engine)
+            self._warn("report", "lookup counters not sent to the pool: %s", exc)
+
+    def close(self) -> None:
+        """Send what is left and stop the reporter thread (the engine shuts down)."""
+        self._closed = True
+        self._finished.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=REPORT_S + 1)
+        self._send_or_warn()
 
     def start(
         self,

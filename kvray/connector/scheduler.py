@@ -541,7 +541,7 @@ class KVRayScheduler:
         self._lookups.drop(rid)
         self._own_saves.forget(rid)
         self._worth.forget(rid)
-        self._lookups.report(now=True)  # the pool's counters include a finished request
+        self._lookups.report(finished=True)  # (sent soon after, off the request's path)
         st = self._reqs.pop(rid, None)
         if st is not None and self.info.can_save and not ended_in_error(request):
             # Saves held for loads not yet known good. vLLM finishes a request only once
@@ -593,6 +593,10 @@ class KVRayScheduler:
             logger.info(REQUEST_MISS_FORMAT, *counts, st.miss)
         else:
             logger.info(REQUEST_FORMAT, *counts)
+
+    def shutdown(self) -> None:
+        """The engine stops: the lookup counters not yet sent go to the pool."""
+        self._lookups.close()
 
     def has_pending_push_work(self) -> bool:
         # (pinned blocks: their saves' end is only known through a later step's output)

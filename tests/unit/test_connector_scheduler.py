@@ -519,6 +519,32 @@ def matched_after_store(s: Sched, req: Request) -> Any:
     return got if got[0] is not None else s.sched.get_num_new_matched_tokens(req, 0)
 
 
+def test_a_finished_requests_counters_reach_the_pool_after_it_not_on_its_path():
+    """A request that finished sends no report itself (no Ray call on its path): the
+    reporter thread sends its lookup counters soon after; shutdown sends what is left."""
+    from kvray.connector.lookup import FINISHED_REPORT_S
+    from kvray.index.block_index import BlockIndex
+
+    index = BlockIndex.create(1024)
+    index.touch()
+    s = Sched(index=index)
+    s.step({})  # (the step's own report, within the second, finds nothing to send)
+    first = s.request("first", 70)
+    assert s.sched.get_num_new_matched_tokens(first, 0) == (0, False)
+    s.sched.request_finished(first, [])
+    assert s.lookup.reports == []
+    deadline = time.monotonic() + 10 * FINISHED_REPORT_S + 2
+    while not s.lookup.reports and time.monotonic() < deadline:
+        time.sleep(FINISHED_REPORT_S / 5)
+    assert s.lookup.reports == [{"lookups": 1, "lookup_blocks": 4, "lookup_hit_blocks": 0,
+                                 "lookup_ssd_blocks": 0, "miss_not_stored": 4}]  # fmt: skip
+    second = s.request("second", 70, first=5000)
+    assert s.sched.get_num_new_matched_tokens(second, 0) == (0, False)
+    s.sched.shutdown()
+    assert s.lookup.reports[1:] == [{"lookups": 1, "lookup_blocks": 4, "lookup_hit_blocks": 0,
+                                     "lookup_ssd_blocks": 0, "miss_not_stored": 4}]  # fmt: skip
+
+
 def test_the_node_index_answers_lookups_with_no_call_and_a_step_pins_its_loads():
     """With the node's block index mapped: a lookup is answered on the spot (no call to
     the Lookup actor; counted ``index_hits`` or ``index_misses``, a miss's reason from the

@@ -66,6 +66,7 @@ HELP = {
     **{miss_counter(r): f"Blocks missed: {text}" for r, text in REASONS.items()},
 }
 assert set(HELP) == set(COUNTERS)
+_ZEROS = dict.fromkeys(COUNTERS, 0)
 
 
 @dataclass
@@ -80,8 +81,7 @@ class KVRayConnectorStats(KVConnectorStats):
         self.data[name] += value
 
     def reset(self) -> None:
-        for name in COUNTERS:
-            self.data[name] = 0
+        self.data.update(_ZEROS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name in COUNTERS:
@@ -95,7 +95,7 @@ class KVRayConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in COUNTERS)
+        return not any(map(self.data.__getitem__, COUNTERS))  # (every step: no generator)
 
     def take(self) -> KVRayConnectorStats | None:
         """This interval's counters (None if nothing happened); resets them."""

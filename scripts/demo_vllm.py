@@ -148,6 +148,10 @@ def main() -> int:
             print(f"   request {i}: TTFT {ttfts[-1] * 1e3:7.1f} ms", flush=True)
         time.sleep(0.5)  # let the last saves land before reading the counters
         after = pool.stats().total
+        deadline = time.monotonic() + 10  # (the engine reports its lookups just after them)
+        while after.lookups - before.lookups < len(workload) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = pool.stats().total
         blocks = after.lookup_blocks - before.lookup_blocks
         hits = after.lookup_hit_blocks - before.lookup_hit_blocks
         passes.append(

@@ -43,9 +43,10 @@ if TYPE_CHECKING:
 REPORT_S = 1.0
 """How often a scheduler sends the counters of the lookups its index answered to the
 node's Lookup actor (so ``kvray status`` and the pool's metrics count them)."""
-FINISHED_REPORT_S = 0.05
-"""A finished request's counters are sent this long after it finished (at most every
-:data:`REPORT_S`), from a thread of their own: never a Ray call on the request's path."""
+FINISHED_REPORT_S = 0.1
+"""A finished request's counters are sent this long after it finished, from a thread of
+their own, with those of every request that finished meanwhile: never a Ray call on the
+request's path, at most one call per this interval."""
 
 
 Warn = Callable[..., None]
@@ -198,8 +199,9 @@ class Lookups:
         for): once per scheduler step at most every :data:`REPORT_S`; ``finished`` (a
         request finished, and with it maybe the engine's last step for a while): the
         reporter thread sends them :data:`FINISHED_REPORT_S` later, so the pool's
-        counters include the request without a call on its path. A step also unmaps an
-        index whose keeper is gone (a pool stopped under a running engine)."""
+        counters include the request soon after it, without a call on its path. A step
+        also unmaps an index whose keeper is gone (a pool stopped under a running
+        engine)."""
         at = time.monotonic()
         if not finished and at - self._checked_at >= REPORT_S:  # a stat: once a second
             self._checked_at = at
@@ -229,8 +231,7 @@ class Lookups:
             self._finished.wait()
             if self._closed:
                 return
-            due = max(FINISHED_REPORT_S, self._reported_at + REPORT_S - time.monotonic())
-            time.sleep(due)
+            time.sleep(FINISHED_REPORT_S)  # (those finishing meanwhile go in the same call)
             self._finished.clear()
             if self._closed:
                 return

@@ -166,7 +166,7 @@ class Lookups:
 
     def _count(self, answer: Answer, n: int, ssd_only: int) -> None:
         """The pool's lookup counters (``kvray status``, metrics) for a lookup the index
-        answered: sent to the Lookup actor at most every :data:`REPORT_S`."""
+        answered: sent to the Lookup actor by the next :meth:`report` that sends."""
         with self._counts_lock:
             c = self._counts
             c["lookups"] = c.get("lookups", 0) + 1

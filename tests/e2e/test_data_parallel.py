@@ -154,7 +154,12 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         for a, b in zip(first, ssd, strict=True):
             assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
         engines = lines(12)
-        status = pool.stats()
+        # (each scheduler reports its lookups' counters to the pool just after a request)
+        deadline = time.monotonic() + 10
+        while (status := pool.stats()).total.lookup_ssd_blocks < 12:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         lookup = pool._h.lookup().snapshot().result(30)  # noqa: SLF001
         log = server.tail(10**8)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes.util
 import functools
 import json
 import os
@@ -338,13 +339,6 @@ def engine_env(tmp: Path, ray_address: str | None, kv_cache_gb: int = 1) -> dict
     return env
 
 
-TCMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-)
-
-
 @functools.cache
 def tcmalloc() -> str | None:
     """The tcmalloc every benchmark engine runs with, as vLLM's CPU platform preloads the
@@ -352,7 +346,7 @@ def tcmalloc() -> str | None:
     from ``libtcmalloc-minimal4``): with glibc's malloc each forward maps its large
     activations afresh (measured: 86,000 to 317,000 page faults in 20 s per engine of
     one run, the engines 25 ms apart on the same prompts). None: not installed (said once)."""
-    found = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
+    found = ctypes.util.find_library("tcmalloc_minimal")  # (the loader's own cache)
     if found is None:
         print("!! no libtcmalloc_minimal.so.4: the engines run on glibc's malloc, whose "
               "page faults make engines of one run differ (apt-get install "

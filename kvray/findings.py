@@ -30,16 +30,26 @@ class Finding:
         return "\n".join(parts)
 
 
-def mem_available() -> int | None:
-    """The host's available memory in bytes (``MemAvailable``; None: not known)."""
+def _meminfo(field: str) -> int | None:
+    """``field`` of /proc/meminfo in bytes (None: not known)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def mem_available() -> int | None:
+    """The host's available memory in bytes (``MemAvailable``; None: not known)."""
+    return _meminfo("MemAvailable")
+
+
+def mem_total() -> int | None:
+    """The host's memory in bytes (``MemTotal``; None: not known)."""
+    return _meminfo("MemTotal")
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ def workload_args(parser: argparse.ArgumentParser, lengths: str, rates: str) -> 
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-bench-model")
     )
     parser.add_argument("--json", type=Path, help="write results here")
+    pool_memory_arg(parser)
     parser.add_argument(
         "--back-to-back",
         action="store_true",
@@ -215,8 +216,34 @@ def prestart_fork_servers(envs: list[dict[str, str]], tmp: Path) -> list[threadi
     return threads
 
 
+POOL_MEMORY = 4 << 30
+"""Each pool's (and the peer's) segment by default: room for a default run's blocks."""
+SMOKE_POOL_MEMORY = "512MB"
+"""A smoke run's: it stores a few blocks, and test workers run beside it (a segment is
+mapped ahead of stores, so it takes its memory at start)."""
+
+
+def pool_memory_arg(parser: argparse.ArgumentParser) -> None:
+    """``--pool-memory``: each pool's segment, and the peer's."""
+    from kvray.sizes import parse_size
+
+    def size(value: str) -> int:
+        try:
+            return parse_size(value, field="value")
+        except ValueError as exc:  # (its message names the flag and the units)
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument(
+        "--pool-memory",
+        type=size,
+        default=POOL_MEMORY,
+        help="memory of each kvray pool's segment and of the peer's (e.g. 4GB, the "
+        "default: room for a default run's blocks)",
+    )
+
+
 def start_bench_pool(
-    segment: str = "4GB",
+    segment: int | str = POOL_MEMORY,
     local_buffer: str = "256MB",
     master: dict[str, Any] | None = None,
     **settings: Any,
@@ -235,7 +262,7 @@ def start_bench_pool(
 
 def bench_pool(
     name: str,
-    segment: str,
+    segment: int | str,
     local_buffer: str,
     master: dict[str, Any] | None = None,
     **settings: Any,

@@ -386,14 +386,20 @@ class Faults:
         import psutil
 
         free = shutil.disk_usage("/dev/shm").free
-        ram = psutil.virtual_memory().available - self.ram_reserve
+        available = psutil.virtual_memory().available
+        ram = available - self.ram_reserve
         size = max(0, min(free - self.shm_headroom, ram))
         shown: dict[str, Any] = {
-            "shm_free_before": free, "fill_bytes": size,
+            "shm_free_before": free, "fill_bytes": size, "mem_available": available,
             "limit": "RAM reserve" if ram < free - self.shm_headroom else "headroom",
         }  # fmt: skip
         if size == 0:
-            raise FaultNotShown("no room to fill /dev/shm within the limits", shown)
+            raise FaultNotShown(
+                f"no room to fill /dev/shm within the limits: {free >> 20} MiB free on it "
+                f"(keeping {self.shm_headroom >> 20}), {available >> 20} MiB of RAM "
+                f"available (keeping {self.ram_reserve >> 20})",
+                shown,
+            )
         with self.shm_fill.open("wb") as f:
             os.posix_fallocate(f.fileno(), 0, size)
         shown["allocated_bytes"] = self.shm_fill.stat().st_blocks * 512

@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse, write_json  # noqa: E402
 from _engines import (  # noqa: E402
+    SMOKE_POOL_MEMORY,
     Engine,
     bench_model,
     chosen,
@@ -52,7 +53,7 @@ from _engines import (  # noqa: E402
 
 BLOCK = 128
 CONFIGS = ("local", "kvray", "kvray-lw", "staged", "staged-lw")
-SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
+SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3", "--pool-memory", SMOKE_POOL_MEMORY]
 """``--smoke``: every configuration, one short input with a one-block hit, 3 reps; the
 engines started together, without their warm-up request (``start_engines``)."""
 
@@ -85,7 +86,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvray-bench-layerwise-"))
     prestart_fork_servers([engine_env(tmp, None)], tmp)
     model = bench_model(args.model_dir)
-    pool, ray_address = start_bench_pool()
+    pool, ray_address = start_bench_pool(segment=args.pool_memory)
     env = engine_env(tmp, ray_address)
     reps: dict[tuple[str, int, float], list[float]] = {}
     measured = {name: 0 for name in configs}

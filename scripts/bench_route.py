@@ -48,7 +48,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse, write_json  # noqa: E402
-from _engines import engine_env, kvray_transfer_config, run_meta, start_bench_pool  # noqa: E402
+from _engines import (  # noqa: E402
+    SMOKE_POOL_MEMORY,
+    engine_env,
+    kvray_transfer_config,
+    pool_memory_arg,
+    run_meta,
+    start_bench_pool,
+)
 from _forked_server import prestart, start_server, wait_all_healthy  # noqa: E402
 from _stats import paired_ratio  # noqa: E402
 
@@ -60,7 +67,7 @@ DEFAULT_ARMS = "local-rr,pool-rr,pool-router"
 BLOCK = 128
 """vLLM's block size on the CPU backend."""
 SMOKE = ["--prefixes", "4", "--prefix-len", "256", "--requests-per-prefix", "2",
-         "--cache-blocks", "6", "--reps", "1"]  # fmt: skip
+         "--cache-blocks", "6", "--reps", "1", "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
 """``--smoke``: every default arm, 4 prefixes of 2 blocks asked twice, one rep; the
 servers started together, without their warm-up request (and forked from the fork server
 under the test suite: ``scripts/_forked_server.py``)."""
@@ -171,6 +178,7 @@ def main() -> int:
     parser.add_argument(
         "--keep-logs", action="store_true", help="keep the servers' and proxies' logs"
     )
+    pool_memory_arg(parser)
     args = parse(parser, SMOKE)
     arms = args.arms.split(",")
     if set(arms) - set(ARMS) or not arms:
@@ -207,7 +215,8 @@ def main() -> int:
         if groups["pool"]:
             ev_port, replay_port = free_port(), free_port()
             pool, env["RAY_ADDRESS"] = start_bench_pool(
-                kv_events={"host": "loopback", "port": ev_port, "replay_port": replay_port}
+                args.pool_memory,
+                kv_events={"host": "loopback", "port": ev_port, "replay_port": replay_port},
             )
             pool_events = (f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}")
         for group, members in groups.items():

@@ -48,8 +48,10 @@ sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
 from _cpu import CpuMeter, cpu_per_gb  # noqa: E402
 from _engines import (  # noqa: E402
+    SMOKE_POOL_MEMORY,
     bench_pool,
     engine_env,
+    pool_memory_arg,
     run_meta,
     start_bench_pool,
     start_peer_master,
@@ -62,7 +64,7 @@ from kvray.testing.server import Server  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
 SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "--reps", "1",
-         "--kv-cache-gb", "1"]  # fmt: skip
+         "--kv-cache-gb", "1", "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
 """``--smoke``: the strongest baseline (``peer``) and ``kvray``, one rep of 2 prompts of
 256 tokens (two blocks each). ``none`` and ``local`` are the same server with vLLM's own
 flags (no connector; prefix caching off or on). The servers start together (and forked
@@ -147,6 +149,7 @@ def main() -> int:
         "'{\"lookup_timeout_ms\": 5000}' on a machine busy with other work",
     )
     parser.add_argument("--json", type=Path, help="write results here (and a PNG next to it)")
+    pool_memory_arg(parser)
     args = parse(parser, SMOKE)
     modes = args.modes.split(",")
     unknown = set(modes) - {*MODES, "staged", "nock"}
@@ -181,18 +184,22 @@ def main() -> int:
     try:
         if {"kvray", "staged", "nock"} & set(modes):
             pool, env["RAY_ADDRESS"] = start_bench_pool(
-                local_buffer="512MB", master=master_settings.model_dump()
+                args.pool_memory, "512MB", master=master_settings.model_dump()
             )
             stops += [ray.shutdown, pool.shutdown]
         if "nock" in modes:
             stops.append(
                 bench_pool(
-                    "bench-nock", "4GB", "512MB", master_settings.model_dump(), checksum=False
+                    "bench-nock",
+                    args.pool_memory,
+                    "512MB",
+                    master_settings.model_dump(),
+                    checksum=False,
                 ).shutdown
             )
         if "peer" in modes:
             peer_master, peer_env = start_peer_master(
-                tmp, master_settings.model_dump(), segment=4 << 30, local_buffer=512 << 20
+                tmp, master_settings.model_dump(), segment=args.pool_memory, local_buffer=512 << 20
             )
             stops.append(peer_master.stop)
         for mode in modes:  # one at a time (but in a smoke run): engines start slowly

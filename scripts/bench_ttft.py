@@ -90,6 +90,7 @@ from _cpu import PartsMeter, cpu_rows, print_cpu, print_cpu_parts  # noqa: E402
 from _engines import (  # noqa: E402
     FAMILIES,
     PEER_TRANSFER_CONFIG,
+    SMOKE_POOL_MEMORY,
     bench_model,
     bench_pool,
     chosen,
@@ -156,9 +157,8 @@ index: lookup_index set (now the default); actor: lookups as calls to the Lookup
 hmaoff: its own pool only (its blocks beside kvray's would evict the seeds'); nice10:
 save_niceness 10; lazyseg: the Mooncake segment mapped as stores write it."""
 BLOCK = 128
-SEGMENT = "4GB"
-"""Each pool's (and the peer's master's) memory: room for a default run's blocks."""
-SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1"]
+SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1",
+         "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
 """``--smoke``: every configuration, one short input with and without hits, 3 reps; the
 engines started together, without their warm-up request (``start_engines``)."""
 
@@ -266,12 +266,12 @@ def main() -> int:
     # Every pool and the peer's master hold SEGMENT: a default run stores ~2.6 GB of
     # blocks (the seeds' and probes' of every row), past which the master evicts and
     # refuses puts, and a probe's seed can be gone before the probe (the run is void).
-    pool, ray_address = start_bench_pool(segment=SEGMENT, master=master)
+    pool, ray_address = start_bench_pool(segment=args.pool_memory, master=master)
     stops = [pool.shutdown]
     pools = {"kvray": pool}
     for name, (pool_name, setting) in OWN_POOLS.items():
         if name in configs:
-            pools[name] = bench_pool(pool_name, SEGMENT, "256MB", master, **setting)
+            pools[name] = bench_pool(pool_name, args.pool_memory, "256MB", master, **setting)
             stops.append(pools[name].shutdown)
     env = engine_env(tmp, ray_address, kv_cache_gb=args.kv_cache_gb)
     reps: dict[tuple[str, int, float], list[float]] = {}
@@ -288,7 +288,7 @@ def main() -> int:
         }
         if "peer" in configs:
             peer_master, peer_env = start_peer_master(
-                tmp, master, segment=4 << 30, local_buffer=256 << 20
+                tmp, master, segment=args.pool_memory, local_buffer=256 << 20
             )
             stops.insert(0, peer_master.stop)
             specs["peer"] = (specs["peer"][0], {**env, **peer_env})

@@ -65,7 +65,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse, write_json  # noqa: E402
 from _cpu import CpuMeter  # noqa: E402
-from _engines import engine_env, run_meta, start_bench_pool, start_peer_master  # noqa: E402
+from _engines import (  # noqa: E402
+    SMOKE_POOL_MEMORY,
+    engine_env,
+    pool_memory_arg,
+    run_meta,
+    start_bench_pool,
+    start_peer_master,
+)
 from _forked_server import prestart, wait_all_healthy  # noqa: E402
 from _serving import bench_client, serve_arm  # noqa: E402
 from _stats import paired_ratio  # noqa: E402
@@ -87,7 +94,8 @@ SMOKE = ["--arms", "local,kvray-pc", "--reps", "1", "--users", "3", "--rounds", 
          "--system-len", "64", "--turn-len", "96", "--reply-len", "32",
          "--ucm-inputs", "256", "--ucm-hits", "0.5", "--concurrency", "2",
          "--pr-prefix-len", "64", "--pr-suffix-len", "32", "--pr-num-prefixes", "2",
-         "--pr-num-prompts", "4", "--output-len", "4"]  # fmt: skip
+         "--pr-num-prompts", "4", "--output-len", "4",
+         "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
 """``--smoke``: vLLM's prefix cache and kvray below it, one rep, a few short prompts."""
 SMOKE_CACHE_BLOCKS = {"chat": 7, "ucm": 16, "prefix_repetition": 16}
 
@@ -285,7 +293,7 @@ def start_arms(
     master = MooncakeMasterConfig().model_dump()
     pool = None
     if {"kvray", "kvray-pc"} & set(arms):
-        pool, env["RAY_ADDRESS"] = start_bench_pool(local_buffer="512MB", master=master)
+        pool, env["RAY_ADDRESS"] = start_bench_pool(args.pool_memory, "512MB", master=master)
         stops += [ray.shutdown, pool.shutdown]
     extra = ("--num-gpu-blocks-override", str(args.cache_blocks))
     servers: dict[str, Server] = {}
@@ -296,7 +304,7 @@ def start_arms(
         if arm.startswith("peer"):
             (tmp / arm).mkdir()
             peer_master, peer_env = start_peer_master(
-                tmp / arm, master, segment=4 << 30, local_buffer=512 << 20
+                tmp / arm, master, segment=args.pool_memory, local_buffer=512 << 20
             )
             stops.append(peer_master.stop)
             aenv.update(peer_env)
@@ -467,6 +475,7 @@ def main() -> int:
         help="more kv_connector_extra_config for the kvray arms (JSON)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write results here")
+    pool_memory_arg(parser)
     args = parse(parser, SMOKE)
     arms = args.arms.split(",")
     if unknown := set(arms) - set(ARMS):
@@ -541,7 +550,11 @@ def main() -> int:
 
     table = summarize(runs, arms, cases_of(args))
     targets = chat_targets(runs, arms) if args.workload == "chat" else {}
-    settings = {k: v for k, v in vars(args).items() if k not in ("json", "smoke", "model_dir")}
+    settings = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("json", "smoke", "model_dir", "pool_memory")
+    }
     settings["connector"] = json.dumps(args.connector)  # (its keys are the user's, not ours)
     meta = run_meta(**settings, block=BLOCK,
                     order="interleaved: per rep and case every arm in turn, rotated; "

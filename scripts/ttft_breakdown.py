@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse, write_json  # noqa: E402
 from _engines import (  # noqa: E402
+    SMOKE_POOL_MEMORY,
     bench_model,
     engine_env,
     interleaved,
@@ -70,7 +71,7 @@ PARTS = (
     "after_step",
     "to_caller",
 )
-SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3"]
+SMOKE = ["--lengths", "256", "--rates", "0.5", "--reps", "3", "--pool-memory", SMOKE_POOL_MEMORY]
 """``--smoke``: both engines, one short input with a one-block hit, 3 reps; the
 engines started together, without their warm-up request (``start_engines``)."""
 
@@ -131,7 +132,7 @@ def main() -> int:
     model = bench_model(args.model_dir, args.family)
     hybrid = args.family != "llama"
     settings: dict[str, Any] = {"lookup_index": False} if args.actor_lookups else {}
-    pool, ray_address = start_bench_pool(**settings)
+    pool, ray_address = start_bench_pool(segment=args.pool_memory, **settings)
     env = engine_env(tmp, ray_address)
     base: dict[str, Any] = {"model": model, "max_len": max(lengths) + 16}
     states = args.family == "qwen3_next"  # (vLLM keeps states per block with its cache on)

@@ -19,6 +19,11 @@ allocator, Ray's threads) then waits for. At idle priority it held that lock for
 as a busy host left it without a core: seen as a pool's client that answered no store for
 over a minute under a loaded soak. Small chunks at the process's priority hold it for well
 under a millisecond of work; the pace keeps the thread off the engines' cores.
+
+Mapping ahead commits the segment's memory at start instead of as it fills. It starts
+only when the segment fits in the host's available memory, and it stops, the rest left to
+the stores, when the host's available memory falls below a fifth of its total (clients
+that start together, engines that grow beside them).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvray.findings import mem_available
+from kvray.findings import mem_available, mem_total
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +51,14 @@ the chunk took (a 4 GiB segment: about 15 s on an idle 2-core host)."""
 MIN_RANGE = 16 << 20
 """Smaller new mappings (thread stacks, allocator arenas) are not the segment."""
 HEADROOM = 0.9
-"""The segment is mapped only while it fits in this share of the host's available
-memory; beyond that, mapping it now could push the host into the OOM killer."""
+"""The segment is mapped only if it fits in this share of the host's available memory at
+start; beyond that, mapping it now could push the host into the OOM killer."""
+FLOOR = 0.2
+"""Mapping stops, the rest left to the stores, once the host's available memory falls
+below this share of its total: several clients start at once and each one's start check
+sees the memory the others have not mapped yet, and the engines beside them still grow."""
+CHECK_EVERY = 32
+"""Chunks mapped between two reads of the host's available memory (64 MiB)."""
 
 Range = tuple[int, int]
 
@@ -111,6 +122,19 @@ class SegmentWarmer:
         warmer._thread.start()
         return warmer
 
+    def _memory_low(self) -> bool:
+        """The host's available memory is below :data:`FLOOR` of its total (logged once:
+        the warmer stops there)."""
+        avail, total = mem_available(), mem_total()
+        if avail is None or total is None or avail >= FLOOR * total:
+            return False
+        logger.warning(
+            "%s: stopped mapping its segment ahead of stores at %d of %d MiB: the host's "
+            "available memory fell to %d of %d MiB; stores map the rest as they write it",
+            self.what, self.mapped >> 20, self.total >> 20, avail >> 20, total >> 20,
+        )  # fmt: skip
+        return True
+
     def _run(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
@@ -118,8 +142,12 @@ class SegmentWarmer:
         started = time.monotonic()
         pause = (1 - DUTY) / DUTY
         try:
+            chunks = 0
             for lo, hi in self.ranges:
                 for at in range(lo, hi, CHUNK):
+                    if chunks % CHECK_EVERY == 0 and self._memory_low():
+                        return
+                    chunks += 1
                     n = min(CHUNK, hi - at)
                     t0 = time.monotonic()
                     while madvise(at, n, MADV_POPULATE_WRITE) != 0:

@@ -124,11 +124,12 @@ class MooncakeConfig(_Strict):
     local_buffer_size: ByteSize = 256 * MiB
     """Client-local transfer buffer Mooncake allocates for its own copies."""
     prefault_segment: bool = True
-    """Map each storing client's segment in the background after start, at idle CPU
-    priority, so stores copy into mapped pages instead of faulting each page in beside
+    """Map each storing client's segment in the background after start, paced to a tenth
+    of a core, so stores copy into mapped pages instead of faulting each page in beside
     the engines' forwards (skipped, with a warning, when the segment does not fit in 90 %
-    of the host's available memory). False: Mooncake's own behaviour, pages mapped as
-    stores first write them."""
+    of the host's available memory; stopped, with a warning, when the host's available
+    memory falls below a fifth of its total). False: Mooncake's own behaviour, pages
+    mapped as stores first write them."""
     preferred_segment: bool = False
     """Place every put in this rank's own segment (reads stay process-local)."""
     prefer_alloc_in_same_node: bool = True

@@ -60,3 +60,27 @@ def test_the_warmer_maps_every_page_and_keeps_the_bytes_stores_wrote():
 def test_a_segment_larger_than_the_memory_available_is_left_to_the_stores(monkeypatch):
     monkeypatch.setattr("kvray.backends.segment_warmer.mem_available", lambda: 100 * MiB)
     assert SegmentWarmer.start([(0, 200 * MiB)], "test segment") is None
+
+
+def test_the_warmer_stops_when_the_hosts_memory_runs_low(monkeypatch, caplog):
+    """Several clients start together: each start check passed, then the host's available
+    memory fell below the floor while this one mapped; it stops and leaves the rest to
+    the stores."""
+    size = 256 * MiB
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    lo = np.frombuffer(mem, dtype=np.uint8).ctypes.data
+    total = 64 << 30
+    reads = iter([total, total])  # the start check and the first chunk's, then low
+    monkeypatch.setattr(
+        "kvray.backends.segment_warmer.mem_available", lambda: next(reads, total // 10)
+    )
+    monkeypatch.setattr("kvray.backends.segment_warmer.mem_total", lambda: total)
+    warmer = SegmentWarmer.start([(lo, lo + size)], "test segment")
+    assert warmer is not None
+    assert warmer.done.wait(60)
+    warmer.stop()
+    if warmer.mapped == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14 or later)")
+    # one check's worth of chunks mapped (64 MiB), then the next check found memory low
+    assert warmer.mapped == 64 * MiB < warmer.total
+    assert "stopped mapping its segment ahead of stores at 64 of 256 MiB" in caplog.text

@@ -34,12 +34,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
-"""How long a step in which no request computes waits for its async loads to end. Such a
-step exists only for transfers; ending it at once makes vLLM run empty steps until the
+"""How long a step in which no request computes waits for its async loads to end (or, when
+a lookup waits for this instance's own saves in flight, for those saves). Such a step
+exists only for transfers; ending it at once makes vLLM run empty steps until the
 loads are reported (each a scheduler pass, a worker round trip, and in a multiprocess
 engine a 1 ms sleep), taking CPU from the BackendClient that serves them. A request that
-arrives meanwhile waits at most this long to be scheduled; a longer load (a cold SSD, a
-remote node) is then polled as before."""
+arrives meanwhile waits at most this long to be scheduled; a longer load or save (a cold
+SSD, a remote node) is then polled as before."""
 
 
 @dataclass(eq=False)

@@ -71,6 +71,11 @@ class KVRayMetadata(KVConnectorMetadata):
     """No request computes in this step (vLLM runs it for transfers only): the worker waits
     here, briefly, for the async loads in flight, rather than the engine polling for them
     with empty steps (:data:`kvray.connector.loads.IDLE_WAIT_S`)."""
+    awaits_saves: bool = False
+    """No request computes and a lookup waits for this instance's own saves in flight (a
+    prompt sent again while its blocks are still being saved): the worker waits, as
+    briefly, for its saves to end, rather than the engine spinning empty steps beside the
+    BackendClient that stores them."""
 
     def is_empty(self) -> bool:
         return not (

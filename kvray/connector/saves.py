@@ -159,6 +159,13 @@ class Saver:
                 assert self._slots is not None
                 self._slots.hold(calls, first, len(block_ids))
 
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every put in flight to end (accounted by the next
+        :meth:`reap`)."""
+        calls = [p.call for p in self._puts.values()]
+        if calls:
+            self._waits.ready(calls, timeout_s, every=True)
+
     def reap(self, *, block: bool) -> None:
         """Account the puts that ended (``block``: wait up to ``call_timeout_s`` for all)
         and free the staging slots no call uses any more."""

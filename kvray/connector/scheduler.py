@@ -139,6 +139,8 @@ class KVRayScheduler:
         failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
+        self._save_waiters = False
+        """A lookup of this step waits for this instance's own saves in flight."""
         self._timelines = RequestTimelines(logger)
         self._worth = Worth()
         """This engine's measured load and compute rates: whether a hit is worth loading."""
@@ -354,6 +356,7 @@ class KVRayScheduler:
         if not self._own_saves.awaits(request.request_id, digest):
             return False
         self.stats.add("lookup_save_waits")
+        self._save_waiters = True
         return True  # the answer is dropped: the next step looks up again
 
     def _wait_a_step(self, request: Request) -> tuple[None, bool]:
@@ -437,7 +440,9 @@ class KVRayScheduler:
             self._step,
             self.info.space.generation,
             idle=not any(scheduled.values()),
+            awaits_saves=self._save_waiters and not any(scheduled.values()),
         )
+        self._save_waiters = False
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []
         return meta
 

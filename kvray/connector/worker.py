@@ -308,6 +308,8 @@ class KVRayWorker:
             loads.finish_layerwise()
             saves.end_layerwise()
             self._flush()
+            if self._meta is not None and self._meta.awaits_saves:
+                saves.wait(IDLE_WAIT_S)
             saves.reap(block=False)
         sending = {rid for rid in self._finishing if saves is None or not saves.saving(rid)}
         self._finishing -= sending

@@ -156,6 +156,26 @@ def test_a_lookup_that_missed_at_a_save_in_flight_asks_again_once_it_ended():
     assert s.stat("lookup_save_waits") >= 3  # at least once per matched() before the end
 
 
+def test_a_step_where_nothing_computes_but_a_lookup_awaits_a_save_tells_the_workers_to_wait():
+    """The same prompt sent again while its save is in flight, nothing else to compute:
+    the step asks the workers to wait for their saves (instead of vLLM spinning empty
+    steps beside the BackendClient storing them). A step that computes, or whose lookups
+    wait for nothing of this instance's, does not."""
+    s = Sched()
+    s.lookup.answer = answered(0)
+    first = s.request("r1", 70)
+    s.sched.get_num_new_matched_tokens(first, 0)
+    s.alloc(first, [10, 11, 12, 13, 14], 0)
+    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    assert not meta.awaits_saves  # it computes
+    again = s.request("r2", 70)
+    assert matched(s, again) == (None, False)
+    assert s.step().awaits_saves
+    assert not s.step().awaits_saves  # no lookup waited in this one
+    assert matched(s, again) == (None, False)
+    assert not s.step({"r3": 8}).awaits_saves  # another request computes: no wait
+
+
 def test_a_save_that_ended_but_is_not_in_the_index_yet_is_waited_for():
     """The save ended, but the node's index got it through the pool's stream, a little
     later (its keeper did not take the store's own report): the lookup asks again until it

@@ -225,6 +225,23 @@ def test_a_step_where_nothing_computes_waits_for_its_async_loads_and_reports_the
         assert IDLE_WAIT_S not in e.waits.timeouts
 
 
+@pytest.mark.parametrize("awaits", [True, False], ids=["a-lookup-awaits", "nothing-awaits"])
+def test_a_step_told_a_lookup_awaits_its_saves_waits_for_them(engine, awaits):
+    """A step in which nothing computes and a lookup waits for this instance's own saves:
+    the worker waits for its puts in flight, so the step's output says they ended."""
+    e = engine("shared", waits=AnsweringWaits())
+    e.store.hang = True  # the put's answer comes only while the worker waits for it
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    saved_step = e.step
+    e.run_step(awaits_saves=awaits, idle=True)  # type: ignore[arg-type]
+    times = e.worker.step_times()
+    assert times is not None
+    if awaits:
+        assert times.saved_through == e.step and e.waits.timeouts.count(IDLE_WAIT_S) == 1
+    else:
+        assert times.saved_through < saved_step and IDLE_WAIT_S not in e.waits.timeouts
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_a_get_that_times_out_is_reported_failed_never_used(engine, placement):
     e = engine(placement)

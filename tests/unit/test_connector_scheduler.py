@@ -19,7 +19,7 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvray.connector.fingerprint import current as current_fingerprint  # noqa: E402
-from kvray.connector.metadata import BlockOp  # noqa: E402
+from kvray.connector.metadata import BlockOp, KVRayMetadata  # noqa: E402
 from kvray.connector.scheduler import hash_bytes  # noqa: E402
 from kvray.connector.timeline import StepTimes  # noqa: E402
 from kvray.errors import BackendUnavailableError  # noqa: E402
@@ -131,15 +131,21 @@ def matched(s: Sched, req: Request) -> tuple[int | None, bool]:
     return got
 
 
-def test_a_lookup_that_missed_at_a_save_in_flight_asks_again_once_it_ended():
-    """The same prompt again right after its response: its blocks' save may not have
-    ended yet. The lookup waits for it (a step at a time), then hits."""
-    s = Sched()
+def saving_r1(s: Sched) -> KVRayMetadata:
+    """r1, 70 tokens, missed and computed in one step: the step's metadata, which saves
+    its 4 full blocks (ids 10-13); the save is in flight until a step's output ends it."""
     s.lookup.answer = answered(0)
     first = s.request("r1", 70)
     s.sched.get_num_new_matched_tokens(first, 0)
     s.alloc(first, [10, 11, 12, 13, 14], 0)
-    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    return s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+
+
+def test_a_lookup_that_missed_at_a_save_in_flight_asks_again_once_it_ended():
+    """The same prompt again right after its response: its blocks' save may not have
+    ended yet. The lookup waits for it (a step at a time), then hits."""
+    s = Sched()
+    meta = saving_r1(s)
     assert [op.block_ids for op in meta.saves] == [(10, 11, 12, 13)]
     again = s.request("r2", 70)  # the same tokens: the same block hashes
     assert matched(s, again) == (None, False)
@@ -162,11 +168,7 @@ def test_a_step_where_nothing_computes_but_a_lookup_awaits_a_save_tells_the_work
     steps beside the BackendClient storing them). A step that computes, or whose lookups
     wait for nothing of this instance's, does not."""
     s = Sched()
-    s.lookup.answer = answered(0)
-    first = s.request("r1", 70)
-    s.sched.get_num_new_matched_tokens(first, 0)
-    s.alloc(first, [10, 11, 12, 13, 14], 0)
-    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    meta = saving_r1(s)
     assert not meta.awaits_saves  # it computes
     again = s.request("r2", 70)
     assert matched(s, again) == (None, False)
@@ -181,11 +183,7 @@ def test_a_save_that_ended_but_is_not_in_the_index_yet_is_waited_for():
     later (its keeper did not take the store's own report): the lookup asks again until it
     hits, for at most the lookup timeout after the save ended."""
     s = Sched()
-    s.lookup.answer = answered(0)
-    first = s.request("r1", 70)
-    s.sched.get_num_new_matched_tokens(first, 0)
-    s.alloc(first, [10, 11, 12, 13, 14], 0)
-    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    meta = saving_r1(s)
     s.sched.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=meta.step))
     )
@@ -197,11 +195,7 @@ def test_a_save_that_ended_but_is_not_in_the_index_yet_is_waited_for():
 
 def test_a_save_ended_longer_than_the_lookup_timeout_ago_is_not_waited_for():
     s = Sched(lookup_timeout_ms=50)
-    s.lookup.answer = answered(0)
-    first = s.request("r1", 70)
-    s.sched.get_num_new_matched_tokens(first, 0)
-    s.alloc(first, [10, 11, 12, 13, 14], 0)
-    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    meta = saving_r1(s)
     s.sched.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step, saved_through=meta.step))
     )
@@ -214,11 +208,7 @@ def test_a_save_in_flight_is_waited_for_past_the_lookup_timeout_up_to_its_call_t
     a save slower than it is still waited for, until the save's call timeout says it
     failed; then the miss stands and the request line says why."""
     s = Sched(lookup_timeout_ms=20, pool={"call_timeout_s": 0.3})
-    s.lookup.answer = answered(0)
-    first = s.request("r1", 70)
-    s.sched.get_num_new_matched_tokens(first, 0)
-    s.alloc(first, [10, 11, 12, 13, 14], 0)
-    s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    saving_r1(s)
     again = s.request("r2", 70)
     assert matched(s, again) == (None, False)
     time.sleep(0.1)  # five lookup timeouts: the save is still in flight
@@ -233,11 +223,7 @@ def test_after_a_long_wait_for_a_slow_save_the_index_still_gets_its_lag():
     index may show it a little later: the lookup still waits up to the lookup timeout from
     the save's end (not from the wait's start, long past), then hits."""
     s = Sched(lookup_timeout_ms=50, pool={"call_timeout_s": 5})
-    s.lookup.answer = answered(0)
-    first = s.request("r1", 70)
-    s.sched.get_num_new_matched_tokens(first, 0)
-    s.alloc(first, [10, 11, 12, 13, 14], 0)
-    meta = s.step({"r1": 70}, [(first, [10, 11, 12, 13, 14])])
+    meta = saving_r1(s)
     again = s.request("r2", 70)
     assert matched(s, again) == (None, False)
     time.sleep(0.12)  # the save is slow: in flight for more than two lookup timeouts

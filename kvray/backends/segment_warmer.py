@@ -122,16 +122,16 @@ class SegmentWarmer:
         warmer._thread.start()
         return warmer
 
-    def _memory_low(self) -> bool:
-        """The host's available memory is below :data:`FLOOR` of its total (logged once:
-        the warmer stops there)."""
-        avail, total = mem_available(), mem_total()
-        if avail is None or total is None or avail >= FLOOR * total:
+    def _memory_low(self, host: int | None) -> bool:
+        """The host's available memory is below :data:`FLOOR` of ``host``, its total
+        (logged: the warmer stops there)."""
+        avail = mem_available()
+        if avail is None or host is None or avail >= FLOOR * host:
             return False
         logger.warning(
             "%s: stopped mapping its segment ahead of stores at %d of %d MiB: the host's "
             "available memory fell to %d of %d MiB; stores map the rest as they write it",
-            self.what, self.mapped >> 20, self.total >> 20, avail >> 20, total >> 20,
+            self.what, self.mapped >> 20, self.total >> 20, avail >> 20, host >> 20,
         )  # fmt: skip
         return True
 
@@ -141,11 +141,12 @@ class SegmentWarmer:
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         started = time.monotonic()
         pause = (1 - DUTY) / DUTY
+        host = mem_total()
         try:
             chunks = 0
             for lo, hi in self.ranges:
                 for at in range(lo, hi, CHUNK):
-                    if chunks % CHECK_EVERY == 0 and self._memory_low():
+                    if chunks % CHECK_EVERY == 0 and self._memory_low(host):
                         return
                     chunks += 1
                     n = min(CHUNK, hi - at)

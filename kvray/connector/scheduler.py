@@ -431,6 +431,7 @@ class KVRayScheduler:
             self._preempted.append(rid)
         self._lookups.pin([h for op in (*self._loads, *self._async_loads) for h in op.block_hashes])
         self._lookups.report()
+        idle = not any(scheduled.values())
         meta = KVRayMetadata(
             self._loads,
             self._async_loads,
@@ -439,8 +440,8 @@ class KVRayScheduler:
             self._preempted,
             self._step,
             self.info.space.generation,
-            idle=not any(scheduled.values()),
-            awaits_saves=self._save_waiters and not any(scheduled.values()),
+            idle=idle,
+            awaits_saves=idle and self._save_waiters,
         )
         self._save_waiters = False
         self._loads, self._async_loads, self._delayed, self._preempted = [], [], [], []

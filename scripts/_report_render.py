@@ -417,7 +417,21 @@ def render_serve(results: Results, names: Sequence[str]) -> str:
     text = table(header, rows)
     if notes:
         text += "\n\nRun 2, per rep: " + "; ".join(notes) + "."
+    parts = {
+        t["mode"]: dict(t["run2_cpu_parts_ms"]) for t in run["table"] if "run2_cpu_parts_ms" in t
+    }
+    if parts:
+        most = {n: max(p.get(n, 0.0) for p in parts.values()) for n in set().union(*parts.values())}
+        kinds = sorted(most, key=lambda n: -most[n])[:SERVE_CPU_KINDS]
+        text += "\n\nRun 2's CPU by process, ms (median over reps):\n\n" + table(
+            ["process", *parts],
+            [[f"`{n}`", *(f"{p.get(n, 0.0):.0f}" for p in parts.values())] for n in kinds],
+        )
     return text + "\n\n" + measured_at(results, names)
+
+
+SERVE_CPU_KINDS = 6
+"""Process kinds in bench_serve's CPU split table (the largest in any mode)."""
 
 
 def _first_and_repeats(runs: list[dict[str, Any]]) -> tuple[float, float]:

@@ -46,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
-from _cpu import CpuMeter, cpu_per_gb  # noqa: E402
+from _cpu import PartsMeter, cpu_per_gb, split_medians  # noqa: E402
 from _engines import (  # noqa: E402
     SMOKE_POOL_MEMORY,
     bench_pool,
@@ -216,7 +216,7 @@ def main() -> int:
         client = bench_client()
         if args.smoke:
             wait_all_healthy(list(servers.values()))
-        meter = CpuMeter()
+        meter = PartsMeter()
 
         def pool_bytes() -> int:
             """What kvray's pool stored and loaded so far (0 without a kvray mode)."""
@@ -233,10 +233,11 @@ def main() -> int:
                 before = len(s.request_counts())
                 for run in (1, 2):
                     out = tmp / f"{mode}-rep{rep}-run{run}.json"
-                    cpu0, bytes0 = meter.total_s(), pool_bytes()
+                    cpu0, snap, bytes0 = meter.total_s(), meter.snapshot(), pool_bytes()
                     r = bench_once(client, s, model, args, seed=1000 + rep, out=out)
                     time.sleep(1.0)  # the server's last request lines (and saves)
                     r["cpu_s"] = meter.total_s() - cpu0
+                    r["cpu_parts"] = by_size(meter.parts_since(snap)[0])
                     r["pool_bytes"] = pool_bytes() - bytes0
                     lines = s.request_counts()[before:]
                     before += len(lines)
@@ -365,6 +366,40 @@ def cpu_table(runs: list[dict[str, Any]], modes: list[str], table: list[dict[str
         "over none: paired per rep, run 1 / run 2; per GB: of what kvray's pool stored "
         "and loaded in the same run"
     )
+    cpu_parts_table(runs, table)
+
+
+CPU_PARTS_SHOWN = 8
+"""Process kinds printed per run in the CPU split (the largest; the JSON has them all)."""
+
+
+def by_size(parts: dict[str, float]) -> list[list[Any]]:
+    """``parts`` as ``[name, value]`` pairs, the largest first (a list, not an object: the
+    process kinds of a run are not keys of the JSON's format)."""
+    return [[n, v] for n, v in sorted(parts.items(), key=lambda kv: -kv[1])]
+
+
+def cpu_parts_table(runs: list[dict[str, Any]], table: list[dict[str, Any]]) -> None:
+    """Where each mode's CPU in each run went, by process kind (vLLM's engine core and
+    worker, the API server, the pool's actors, the masters): the median over reps of each
+    kind's milliseconds (``run<n>_cpu_parts_ms`` in ``table``'s rows, as pairs)."""
+    for row in table:
+        for run in (1, 2):
+            sel = [
+                dict(r["cpu_parts"]) for r in runs if r["mode"] == row["mode"] and r["run"] == run
+            ]
+            row[f"run{run}_cpu_parts_ms"] = by_size(split_medians(sel))
+    modes = [row["mode"] for row in table]
+    for run in (1, 2):
+        medians = {row["mode"]: dict(row[f"run{run}_cpu_parts_ms"]) for row in table}
+        most = {
+            n: max(m.get(n, 0.0) for m in medians.values()) for n in set().union(*medians.values())
+        }
+        kinds = sorted(most, key=lambda n: -most[n])[:CPU_PARTS_SHOWN]
+        print(f"\nCPU ms of run {run} by process (median over reps)")
+        print(f"{'process':>26} " + " ".join(f"{m:>9}" for m in modes))
+        for n in kinds:
+            print(f"{n[:26]:>26} " + " ".join(f"{medians[m].get(n, 0.0):9.1f}" for m in modes))
 
 
 def _pair(values: list[float | None], fmt: str) -> str:

@@ -17,7 +17,7 @@ from kvray.backends import make_backend
 from kvray.config import PoolConfig
 from kvray.errors import KVRayError
 from kvray.index.block_index import BlockIndex, IndexSpec
-from kvray.index.ledger import FLUSH_S, Ledger
+from kvray.index.ledger import FLUSH_S, LEDGER_WAIT_S, Ledger
 from kvray.index.lookup import Answer, LookupService, Place, Placement
 from kvray.index.stream import FIRST_SYNC_WAIT_S, INDEX_POLL_S, IndexChange, IndexKeeper
 from kvray.keys import KeySpace, probe_hash
@@ -72,17 +72,19 @@ class LookupActor:
 
     async def _follow_ledger(self) -> None:
         """Follow the manager's ledger (what tells an evicted block from one never
-        stored): one small call every FLUSH_S, never on a lookup's path."""
+        stored): a long poll the manager answers once it has changes, at most one call
+        every FLUSH_S, never on a lookup's path."""
         manager = ManagerLink(
             self._config,
             "Lookup",
             "misses read as never stored until it answers",
             remake=self._remake,
         )
+        wait_s = min(LEDGER_WAIT_S, self._config.call_timeout_s / 2)
         seq = 0
         while True:
             await asyncio.sleep(FLUSH_S)
-            update = await manager.call(partial(ManagerHandle.ledger_since, seq=seq))
+            update = await manager.call(partial(ManagerHandle.ledger_since, seq=seq, wait_s=wait_s))
             if update is None:
                 continue
             seq, entries, full, mixed = update

@@ -470,8 +470,11 @@ class ManagerHandle(Handle):
     def ledger_record(self, changes: Entries) -> Call[None]:
         return self._call("ledger_record", changes)
 
-    def ledger_since(self, seq: int) -> Call[tuple[int, Entries, bool, list[str]]]:
-        return self._call("ledger_since", seq)
+    def ledger_since(
+        self, seq: int, wait_s: float = 0.0
+    ) -> Call[tuple[int, Entries, bool, list[str]]]:
+        """The ledger's changes after ``seq``, once there are any or ``wait_s`` passed."""
+        return self._call("ledger_since", seq, wait_s)
 
     def index_record(self, changes: list[IndexChange]) -> Call[int | None]:
         """Block-index changes for the hub; answers the pool server's eviction counter

@@ -1,9 +1,11 @@
 """What the pool manager remembers (kvray.pool_state), without Ray: node actors and
-forgetting dead nodes, hash fingerprints, the ledger's updates."""
+forgetting dead nodes, hash fingerprints, the ledger's updates and their long poll."""
 
 from __future__ import annotations
 
-from kvray.index.ledger import Seen
+import asyncio
+
+from kvray.index.ledger import Ledger, LedgerWatch, Seen
 from kvray.pool_state import PoolState
 from kvray.remote import LookupHandle, NodeActors, StoreHandle
 
@@ -66,3 +68,26 @@ def test_a_reset_joins_the_newest_generation_of_its_keys_or_starts_one():
     assert state.reset_generation("m@lay", 0) == 2
     assert state.reset_generation("other@lay", 0) == 1
     assert state.reset_generation("m@lay", 5) == 6  # (a manager restarted forgot them)
+
+
+def test_the_ledger_long_poll_answers_at_once_on_a_change_and_after_its_wait_without():
+    """A Lookup actor's ask for ledger updates: answered at once when the ledger has
+    changes after its sequence number (or the number is one the ledger never had: a
+    manager restarted), as soon as a record comes while it waits, and after the wait
+    when none comes. (The long waits are far above the bounds they are checked against.)"""
+
+    async def scenario() -> bool:
+        ledger, watch = Ledger(), LedgerWatch()
+        ledger.record([(1, int(Seen.STORED), 0.0)])
+        await asyncio.wait_for(watch.wait_after(ledger, 0, 60.0), 5.0)
+        await asyncio.wait_for(watch.wait_after(ledger, ledger.seq + 7, 60.0), 5.0)
+        waiting = asyncio.ensure_future(watch.wait_after(ledger, ledger.seq, 60.0))
+        await asyncio.sleep(0.1)
+        held = not waiting.done()
+        ledger.record([(2, int(Seen.STORED), 0.0)])
+        watch.changed()
+        await asyncio.wait_for(waiting, 5.0)
+        await asyncio.wait_for(watch.wait_after(ledger, ledger.seq, 0.2), 5.0)
+        return held
+
+    assert asyncio.run(scenario()), "the ask with nothing new was answered before a change"

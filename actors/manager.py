@@ -21,7 +21,8 @@ from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
 from kvray.index import prefix_match
 from kvray.index.kv_events import Described, KVEventsHub
-from kvray.index.ledger import Entries, LedgerWatch
+from kvray.index.ledger import Entries
+from kvray.index.long_poll import LongPoll
 from kvray.index.node_loss import DramClient, NodeLossWatch
 from kvray.index.prefix_match import PrefixMatch
 from kvray.index.stream import IndexChange, IndexHub, IndexUpdate
@@ -103,7 +104,7 @@ class PoolManagerActor:
         self._tasks: list[asyncio.Task[None]] = []
         self._server_metrics: dict[str, float] = {}
         self._index = IndexHub(config.lookup_index_blocks) if config.lookup_index else None
-        self._ledger_watch = LedgerWatch()
+        self._ledger_poll = LongPoll()
         self._nodes_at_start = nodes_at_start
         self._events = self._start_events(alive)
         self._node_watch = self._make_node_watch()
@@ -345,7 +346,7 @@ class PoolManagerActor:
     async def ledger_record(self, changes: Entries) -> None:
         """A BackendClient's blocks stored and removed since its last report."""
         self._state.ledger.record(changes)
-        self._ledger_watch.changed()
+        self._ledger_poll.changed()
 
     async def ledger_since(
         self, seq: int, wait_s: float = 0.0
@@ -353,7 +354,8 @@ class PoolManagerActor:
         """A Lookup actor's ledger update after ``seq``, long-polling: answered once the
         ledger has changes after ``seq`` (or must be sent whole) or ``wait_s`` passed.
         (Which keys instances hash differently, rare, comes with the next answer.)"""
-        await self._ledger_watch.wait_after(self._state.ledger, seq, wait_s)
+        ledger = self._state.ledger
+        await self._ledger_poll.wait(lambda: seq != ledger.seq, wait_s)
         return self._state.ledger_since(seq)
 
     async def index_record(self, changes: list[IndexChange]) -> int | None:

@@ -217,6 +217,16 @@ def split_medians(reps: Sequence[dict[str, float]]) -> dict[str, float]:
     return {n: round(statistics.median(rep.get(n, 0.0) for rep in reps) * 1e3, 3) for n in names}
 
 
+def largest(medians: dict[str, dict[str, float]], top: int) -> list[str]:
+    """The ``top`` names (process kinds, threads) with the largest value in any of
+    ``medians``' maps (per configuration or mode), the largest first."""
+    most: dict[str, float] = {}
+    for m in medians.values():
+        for n, v in m.items():
+            most[n] = max(most.get(n, v), v)
+    return sorted(most, key=lambda n: -most[n])[:top]
+
+
 def print_cpu_parts(
     rows: list[dict[str, Any]], configs: Sequence[str], top: int = 8, by: str = "parts"
 ) -> None:
@@ -230,10 +240,7 @@ def print_cpu_parts(
                 medians[c] = r.get(f"cpu_threads_ms_{c}") or {}
             else:
                 medians[c] = split_medians(r.get(f"reps_cpu_parts_{c}") or [])
-        most = {
-            n: max(m.get(n, 0.0) for m in medians.values()) for m in medians.values() for n in m
-        }
-        kinds = sorted(most, key=lambda n: -most[n])[:top]
+        kinds = largest(medians, top)
         what = "process" if by == "parts" else "thread"
         print(f"\nCPU ms per turn by {what}, input {r['input_tokens']} hit {r['hit_rate']:.0%} "
               "(median over reps)")  # fmt: skip

@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from _cpu import largest
 from _report_format import Results, ci, f, measured_at, meta, pct_ci, ratio_ci, spread, table
 from _stats import paired_difference_ms
 
@@ -421,8 +422,7 @@ def render_serve(results: Results, names: Sequence[str]) -> str:
         t["mode"]: dict(t["run2_cpu_parts_ms"]) for t in run["table"] if "run2_cpu_parts_ms" in t
     }
     if parts:
-        most = {n: max(p.get(n, 0.0) for p in parts.values()) for n in set().union(*parts.values())}
-        kinds = sorted(most, key=lambda n: -most[n])[:SERVE_CPU_KINDS]
+        kinds = largest(parts, SERVE_CPU_KINDS)
         text += "\n\nRun 2's CPU by process, ms (median over reps):\n\n" + table(
             ["process", *parts],
             [[f"`{n}`", *(f"{p.get(n, 0.0):.0f}" for p in parts.values())] for n in kinds],

@@ -46,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import log, parse  # noqa: E402
-from _cpu import PartsMeter, cpu_per_gb, split_medians  # noqa: E402
+from _cpu import PartsMeter, cpu_per_gb, largest, split_medians  # noqa: E402
 from _engines import (  # noqa: E402
     SMOKE_POOL_MEMORY,
     bench_pool,
@@ -392,10 +392,7 @@ def cpu_parts_table(runs: list[dict[str, Any]], table: list[dict[str, Any]]) -> 
     modes = [row["mode"] for row in table]
     for run in (1, 2):
         medians = {row["mode"]: dict(row[f"run{run}_cpu_parts_ms"]) for row in table}
-        most = {
-            n: max(m.get(n, 0.0) for m in medians.values()) for n in set().union(*medians.values())
-        }
-        kinds = sorted(most, key=lambda n: -most[n])[:CPU_PARTS_SHOWN]
+        kinds = largest(medians, CPU_PARTS_SHOWN)
         print(f"\nCPU ms of run {run} by process (median over reps)")
         print(f"{'process':>26} " + " ".join(f"{m:>9}" for m in modes))
         for n in kinds:

@@ -12,7 +12,6 @@ stored), and a block stored in the last flush interval may still read as never s
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from enum import IntEnum
 
@@ -101,32 +100,3 @@ class Ledger:
             seen[d] = (s, t) if old is None or t >= old[1] else old
         while len(seen) > self.capacity:
             del seen[next(iter(seen))]
-
-
-class LedgerWatch:
-    """The manager's side of the Lookup actors' long poll: :meth:`wait_after` returns
-    once ``ledger`` has changes after a sequence number (or must be sent whole), or the
-    wait ran out; :meth:`changed` is called after each record. One event loop (the
-    manager actor's) runs both."""
-
-    def __init__(self) -> None:
-        self._changed: asyncio.Event | None = None
-
-    def changed(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
-    async def wait_after(self, ledger: Ledger, seq: int, wait_s: float) -> None:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while seq == ledger.seq:
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            self._changed.clear()  # (no await since the check: no change is missed)
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return

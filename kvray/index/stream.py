@@ -29,7 +29,6 @@ index, its places, and the position after it.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex
+from kvray.index.long_poll import LongPoll
 
 OP_ADD, OP_REMOVE, OP_GONE = 1, 2, 3
 """What a change does: a tier took keys; kvray removed them (``Pool.remove``: marker
@@ -112,7 +112,7 @@ class IndexHub:
         """The position of ``_log[0]``."""
         self._logged = 0
         self._log_digests = log_digests
-        self._changed: asyncio.Event | None = None
+        self._poll = LongPoll()
 
     @property
     def seq(self) -> int:
@@ -130,8 +130,7 @@ class IndexHub:
         while self._logged > self._log_digests and len(self._log) > 1:
             self._logged -= len(self._log.popleft().digests) // 8
             self._base += 1
-        if self._changed is not None:
-            self._changed.set()
+        self._poll.changed()
 
     def node_lost(self, node_id: str) -> list[IndexChange]:
         """``node_id`` is gone, and the SSD tiers of its places with it (as far as the
@@ -181,19 +180,7 @@ class IndexHub:
     async def wait(self, epoch: str, seq: int, wait_s: float, node: str = "") -> IndexUpdate:
         """:meth:`since`, once the keeper of ``node`` lacks something (:meth:`_news`) or
         ``wait_s`` passed (then with the markers of its own node's changes)."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while not self._news(epoch, seq, node):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                break
+        await self._poll.wait(lambda: self._news(epoch, seq, node), wait_s)
         return self.since(epoch, seq, node)
 
 

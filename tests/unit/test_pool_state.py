@@ -4,8 +4,11 @@ forgetting dead nodes, hash fingerprints, the ledger's updates and their long po
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
-from kvray.index.ledger import Ledger, LedgerWatch, Seen
+from kvray.index.ledger import Ledger, Seen
+from kvray.index.long_poll import LongPoll
 from kvray.pool_state import PoolState
 from kvray.remote import LookupHandle, NodeActors, StoreHandle
 
@@ -77,17 +80,22 @@ def test_the_ledger_long_poll_answers_at_once_on_a_change_and_after_its_wait_wit
     when none comes. (The long waits are far above the bounds they are checked against.)"""
 
     async def scenario() -> bool:
-        ledger, watch = Ledger(), LedgerWatch()
+        ledger, poll = Ledger(), LongPoll()
+
+        def after(seq: int, wait_s: float) -> Coroutine[Any, Any, None]:
+            """The manager's hold of an ask for what came after ``seq``."""
+            return poll.wait(lambda: seq != ledger.seq, wait_s)
+
         ledger.record([(1, int(Seen.STORED), 0.0)])
-        await asyncio.wait_for(watch.wait_after(ledger, 0, 60.0), 5.0)
-        await asyncio.wait_for(watch.wait_after(ledger, ledger.seq + 7, 60.0), 5.0)
-        waiting = asyncio.ensure_future(watch.wait_after(ledger, ledger.seq, 60.0))
+        await asyncio.wait_for(after(0, 60.0), 5.0)
+        await asyncio.wait_for(after(ledger.seq + 7, 60.0), 5.0)
+        waiting = asyncio.ensure_future(after(ledger.seq, 60.0))
         await asyncio.sleep(0.1)
         held = not waiting.done()
         ledger.record([(2, int(Seen.STORED), 0.0)])
-        watch.changed()
+        poll.changed()
         await asyncio.wait_for(waiting, 5.0)
-        await asyncio.wait_for(watch.wait_after(ledger, ledger.seq, 0.2), 5.0)
+        await asyncio.wait_for(after(ledger.seq, 0.2), 5.0)
         return held
 
     assert asyncio.run(scenario()), "the ask with nothing new was answered before a change"

@@ -24,6 +24,24 @@ RPC_DIR = tempfile.mkdtemp(prefix="kvray-vllm-rpc-")
 os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
 atexit.register(shutil.rmtree, RPC_DIR, ignore_errors=True)
 
+# vLLM's engines rendezvous through a torch FileStore file, ``<temp dir>/vllm_dist_<uuid>``,
+# that an engine process leaves behind when it exits. The run's first process (xdist's
+# controller, or pytest alone) removes those that appeared while the run lasted.
+VLLM_DIST_GLOB = "vllm_dist_*"
+
+
+def _vllm_dist_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(VLLM_DIST_GLOB))
+
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    _BEFORE_RUN = _vllm_dist_files()
+
+    def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+        for path in _vllm_dist_files() - _BEFORE_RUN:
+            path.unlink(missing_ok=True)
+
+
 if os.environ.get("KVRAY_REQUIRE_VLLM") == "1":
     # CI (.ci/run) sets this: a missing or broken vLLM fails the run here instead of
     # skipping every test that needs it (the e2e tier, the connector's unit tests).

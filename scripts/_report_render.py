@@ -650,17 +650,23 @@ def render_workloads(results: Results, names: Sequence[str]) -> str:
         "TTFT speedup over none", "p50 / local", "p50 / peer", "blocks loaded from the pool",
     ]  # fmt: skip
     text = table(header, rows)
-    targets = []
+    targets, beside = [], []
     for key, t in run.get("targets", {}).items():
         if t["median"] is None:
             continue
         metric, base = key.split("_over_")
-        verdict = "met" if t["met"] else "not met"
-        targets.append(
-            f"kvray-pc {metric} TTFT / {base} {ratio_ci(t)} (bound {t['bound']:g}: {verdict})"
-        )
+        arm = t.get("arm", "kvray-pc")
+        metric = metric.removeprefix(f"{arm}_")
+        what = f"{arm} {metric} TTFT / {base} {ratio_ci(t)}"
+        if t["bound"] is None:
+            beside.append(what)
+        else:
+            verdict = "met" if t["met"] else "not met"
+            targets.append(f"{what} (bound {t['bound']:g}: {verdict})")
     if targets:
         text += "\n\nTargets, paired per rep: " + "; ".join(targets) + "."
+    if beside:
+        text += " Beside them: " + "; ".join(beside) + "."
     return text + "\n\n" + measured_at(results, names)
 
 

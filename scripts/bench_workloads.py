@@ -25,6 +25,11 @@ paused with SIGSTOP):
 
 - ``none``: no connector, no prefix caching: full compute, the speedups' baseline;
 - ``local``: vLLM's prefix cache alone;
+- ``ideal`` (chat): vLLM's prefix cache with a KV cache that holds the chat's whole
+  working set (every user's conversation, plus the requests in flight): nothing is
+  evicted and nothing loaded, the best any cache below the engine can do on the same
+  prompts and cores. (In ``ucm`` and ``prefix_repetition`` the engine's cache already holds
+  every prompt of a case: there it is ``local``.)
 - ``kvray``: KVRayConnector, prefix caching off (as the seeds run it);
 - ``kvray-pc``: KVRayConnector with vLLM's prefix cache on (the pool below the engine's
   own cache);
@@ -80,8 +85,10 @@ from _stats import paired_ratio  # noqa: E402
 from kvray.testing.server import Server  # noqa: E402
 
 WORKLOADS = ("chat", "ucm", "prefix_repetition")
-ARMS = ("none", "local", "kvray", "kvray-pc", "peer", "peer-pc")
-DEFAULT_ARMS = "none,local,kvray,kvray-pc,peer"
+ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "peer", "peer-pc")
+DEFAULT_ARMS = {"chat": "none,local,ideal,kvray,kvray-pc,peer"}
+"""``--arms``'s default per workload (else :data:`OTHER_ARMS`)."""
+OTHER_ARMS = "none,local,kvray,kvray-pc,peer"
 BLOCK = 128
 """vLLM's block size on its CPU backend (tokens)."""
 CACHE_BLOCKS = {"chat": 80, "ucm": 288, "prefix_repetition": 288}
@@ -295,9 +302,10 @@ def start_arms(
     if {"kvray", "kvray-pc"} & set(arms):
         pool, env["RAY_ADDRESS"] = start_bench_pool(args.pool_memory, "512MB", master=master)
         stops += [ray.shutdown, pool.shutdown]
-    extra = ("--num-gpu-blocks-override", str(args.cache_blocks))
     servers: dict[str, Server] = {}
     for arm in arms:
+        blocks = args.ideal_blocks if arm == "ideal" else args.cache_blocks
+        extra = ("--num-gpu-blocks-override", str(blocks))
         log(f"== starting the {arm} server")
         aenv = dict(env)
         kvray = None
@@ -310,8 +318,9 @@ def start_arms(
             aenv.update(peer_env)
         elif arm.startswith("kvray"):
             kvray = {"pool_name": "bench", "model_namespace": f"workloads-{arm}", **args.connector}
+        caching = arm in ("local", "ideal", "kvray-pc", "peer-pc")
         servers[arm] = s = serve_arm(
-            arm, model, max_len, aenv, tmp, prefix_caching=arm in ("local", "kvray-pc", "peer-pc"),
+            arm, model, max_len, aenv, tmp, prefix_caching=caching,
             kvray=kvray, peer=arm.startswith("peer"), extra=extra,
         )  # fmt: skip
         if not args.smoke:  # one at a time: engines start slowly
@@ -411,31 +420,42 @@ def summarize(
     return table
 
 
-CHAT_TARGETS = (("local", "p50_ttft_ms", 0.5), ("peer", "p50_ttft_ms", 1.0),
-                ("peer", "p90_ttft_ms", 1.0))  # fmt: skip
-"""The chat's targets for ``kvray-pc``: (baseline arm, metric, bound on the paired ratio)."""
+CHAT_TARGETS = (
+    ("kvray-pc", "local", "p50_ttft_ms", 0.5),
+    ("kvray-pc", "peer", "p50_ttft_ms", 1.0),
+    ("kvray-pc", "peer", "p90_ttft_ms", 1.0),
+    ("kvray-pc", "ideal", "p50_ttft_ms", None),
+    ("ideal", "local", "p50_ttft_ms", None),
+)
+"""The chat's targets (arm, baseline arm, metric, bound on the paired ratio): kvray with
+vLLM's prefix cache on against the prefix cache alone and the peer; without a bound, what
+stands beside them: kvray against the ideal, and the ideal against the prefix cache alone
+(the least any cache below the engine can reach on these prompts and cores)."""
 
 
 def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
-    """The chat's targets for kvray with prefix caching on, paired per rep (None where
-    an arm was not run)."""
+    """The chat's targets and the ratios beside them, paired per rep (None where an arm
+    was not run); keyed ``<metric>_over_<base>`` for kvray-pc's, else
+    ``<arm>_<metric>_over_<base>``."""
 
     out: dict[str, Any] = {}
-    for base, key, bound in CHAT_TARGETS:
-        name = f"kvray-pc {key.split('_')[0]} TTFT / {base}"
-        entry: dict[str, Any] = {"median": None, "ci95": None, "ratios": None, "bound": bound,
-                                 "met": None}  # fmt: skip
-        if {"kvray-pc", base} <= set(arms):
-            ratio = paired_ratio(
-                per_rep(runs, "chat", "kvray-pc", key), per_rep(runs, "chat", base, key)
-            )
-            met = ratio["median"] <= bound
-            entry.update(median=ratio["median"], ci95=ratio["ci95"], ratios=ratio["ratios"],
-                         met=met)  # fmt: skip
+    for arm, base, key, bound in CHAT_TARGETS:
+        metric = key.split("_")[0]
+        name = f"{arm} {metric} TTFT / {base}"
+        entry: dict[str, Any] = {"arm": arm, "median": None, "ci95": None, "ratios": None,
+                                 "bound": bound, "met": None}  # fmt: skip
+        if {arm, base} <= set(arms):
+            ratio = paired_ratio(per_rep(runs, "chat", arm, key), per_rep(runs, "chat", base, key))
             lo, hi = ratio["ci95"]
-            print(f"target {name} <= {bound}: {ratio['median']:.2f} [{lo:.2f}, {hi:.2f}] "
-                  f"{'met' if met else 'NOT met'}")  # fmt: skip
-        out[f"{key.split('_')[0]}_over_{base}"] = entry
+            entry.update(median=ratio["median"], ci95=ratio["ci95"], ratios=ratio["ratios"])
+            line = f"{name}: {ratio['median']:.2f} [{lo:.2f}, {hi:.2f}]"
+            if bound is not None:
+                entry["met"] = met = ratio["median"] <= bound
+                line = f"target {name} <= {bound}: " + line.split(": ")[1]
+                line += " met" if met else " NOT met"
+            print(line)
+        prefix = "" if arm == "kvray-pc" else f"{arm}_"
+        out[f"{prefix}{metric}_over_{base}"] = entry
     return out
 
 
@@ -445,7 +465,8 @@ def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
-    parser.add_argument("--arms", default=DEFAULT_ARMS)
+    parser.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS) + " (default: "
+                        f"{DEFAULT_ARMS['chat']} for chat, else {OTHER_ARMS})")  # fmt: skip
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--model-dir", default=os.path.join(tempfile.gettempdir(), "kvray-serve-model")
@@ -477,9 +498,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write results here")
     pool_memory_arg(parser)
     args = parse(parser, SMOKE)
+    if args.arms is None:
+        args.arms = DEFAULT_ARMS.get(args.workload, OTHER_ARMS)
     arms = args.arms.split(",")
     if unknown := set(arms) - set(ARMS):
         parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    if "ideal" in arms and args.workload != "chat":
+        parser.error(f"--arms: 'ideal' is the chat's (in {args.workload} the engine's cache "
+                     "already holds every prompt of a case: use 'local')")  # fmt: skip
     if args.reps < 1 or args.concurrency < 1:
         parser.error("--reps and --concurrency must be >= 1")
     if args.cache_blocks is None:
@@ -493,9 +519,12 @@ def main() -> int:
     if args.cache_blocks < in_flight:
         parser.error(f"--cache-blocks {args.cache_blocks}: {args.concurrency} requests of up to "
                      f"{longest} tokens need {in_flight}")  # fmt: skip
+    args.ideal_blocks = args.cache_blocks
     if args.workload == "chat":
         working_set = args.users * -(-longest // BLOCK)
-        log(f"== chat working set {working_set} blocks, engine cache {args.cache_blocks}")
+        args.ideal_blocks = working_set + in_flight
+        log(f"== chat working set {working_set} blocks, engine cache {args.cache_blocks}"
+            + (f", the ideal's {args.ideal_blocks}" if "ideal" in arms else ""))  # fmt: skip
         if working_set <= args.cache_blocks:
             parser.error(f"--cache-blocks {args.cache_blocks}: the chat's working set "
                          f"({working_set} blocks) must be larger")  # fmt: skip
@@ -555,6 +584,8 @@ def main() -> int:
         for k, v in vars(args).items()
         if k not in ("json", "smoke", "model_dir", "pool_memory")
     }
+    if args.workload != "chat":
+        del settings["ideal_blocks"]  # (only the chat has an ideal arm)
     settings["connector"] = json.dumps(args.connector)  # (its keys are the user's, not ours)
     meta = run_meta(**settings, block=BLOCK,
                     order="interleaved: per rep and case every arm in turn, rotated; "

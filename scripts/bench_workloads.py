@@ -448,12 +448,12 @@ def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
             ratio = paired_ratio(per_rep(runs, "chat", arm, key), per_rep(runs, "chat", base, key))
             lo, hi = ratio["ci95"]
             entry.update(median=ratio["median"], ci95=ratio["ci95"], ratios=ratio["ratios"])
-            line = f"{name}: {ratio['median']:.2f} [{lo:.2f}, {hi:.2f}]"
-            if bound is not None:
+            ci = f"{ratio['median']:.2f} [{lo:.2f}, {hi:.2f}]"
+            if bound is None:
+                print(f"{name}: {ci}")
+            else:
                 entry["met"] = met = ratio["median"] <= bound
-                line = f"target {name} <= {bound}: " + line.split(": ")[1]
-                line += " met" if met else " NOT met"
-            print(line)
+                print(f"target {name} <= {bound}: {ci} {'met' if met else 'NOT met'}")
         prefix = "" if arm == "kvray-pc" else f"{arm}_"
         out[f"{prefix}{metric}_over_{base}"] = entry
     return out

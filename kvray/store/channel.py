@@ -281,6 +281,30 @@ class ChannelClient:
             except OSError as exc:
                 self._break(f"send failed ({exc.strerror or exc})")
 
+    def peer_closed(self) -> bool:
+        """Whether the channel is down. With no call in flight, one non-blocking peek
+        finds an actor that restarted or died while this worker was idle (its end
+        closed), and the channel breaks then, so that the next call takes Ray's path
+        instead of failing on the dead socket. Calls in flight learn it from their
+        answers (:meth:`pump`)."""
+        if self.broken is not None:
+            return True
+        if self._calls or not self._recv_lock.acquire(blocking=False):
+            return False
+        try:
+            try:
+                data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False  # open, nothing to read
+            except OSError:
+                data = b""  # reset: the actor died
+        finally:
+            self._recv_lock.release()
+        if data:
+            return False  # an answer of a call given up on: pump reads it
+        self._break("closed by the actor (it restarted or died)")
+        return True
+
     def forget(self, call: ChannelCall[Any]) -> None:
         with self._send_lock:
             self._calls.pop(call.cid, None)
@@ -373,7 +397,9 @@ class ChannelStore:
 
     A broken channel is re-attached in the background: every :data:`REATTACH_S`, a Ray
     call asks the (restarted) actor for its new address, and the first step after the
-    answer connects, so no step waits for the actor to come back.
+    answer connects, so no step waits for the actor to come back. An actor that restarted
+    while the worker was idle is found before a call is sent on its old channel
+    (:meth:`ChannelClient.peer_closed`): that call goes through Ray, it does not fail.
     """
 
     def __init__(self, handle: StoreHandle, timeout_s: float) -> None:
@@ -405,7 +431,7 @@ class ChannelStore:
 
     def _live(self) -> ChannelClient | None:
         channel = self._channel
-        if channel is not None and channel.broken is None:
+        if channel is not None and not channel.peer_closed():
             return channel
         if self._asking is None:
             if time.monotonic() - self._asked_at >= REATTACH_S:

@@ -231,9 +231,9 @@ def test_channel_store_falls_back_to_ray_and_reattaches(children: list[Child]) -
     children.append(second)
     handle.address = second.address
 
-    with pytest.raises(BackendUnavailableError):
-        store._live().call("echo", (0,), "echo").result(60)  # type: ignore[union-attr]
-    assert not store.attached
+    # The actor went while the worker was idle: the next call finds its channel closed
+    # before sending on it, and goes through Ray instead of failing.
+    assert store._live() is None and not store.attached
     # While the channel is down the transfers are Ray calls, and the handle is asked
     # again (at most every REATTACH_S); the first step after its answer connects.
     deadline = time.monotonic() + 30

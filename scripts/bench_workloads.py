@@ -519,7 +519,6 @@ def main() -> int:
     if args.cache_blocks < in_flight:
         parser.error(f"--cache-blocks {args.cache_blocks}: {args.concurrency} requests of up to "
                      f"{longest} tokens need {in_flight}")  # fmt: skip
-    args.ideal_blocks = args.cache_blocks
     if args.workload == "chat":
         working_set = args.users * -(-longest // BLOCK)
         args.ideal_blocks = working_set + in_flight
@@ -584,8 +583,6 @@ def main() -> int:
         for k, v in vars(args).items()
         if k not in ("json", "smoke", "model_dir", "pool_memory")
     }
-    if args.workload != "chat":
-        del settings["ideal_blocks"]  # (only the chat has an ideal arm)
     settings["connector"] = json.dumps(args.connector)  # (its keys are the user's, not ours)
     meta = run_meta(**settings, block=BLOCK,
                     order="interleaved: per rep and case every arm in turn, rotated; "

@@ -63,6 +63,9 @@ MAX_FRAME = 1 << 30
 REATTACH_S = 1.0
 """How often a worker whose channel broke asks its BackendClient for the new one."""
 
+CLOSED = "closed by the actor (it restarted or died)"
+"""Why a channel broke when the actor's end of it closed."""
+
 Method = Callable[..., Awaitable[Any]]
 
 
@@ -302,7 +305,7 @@ class ChannelClient:
             self._recv_lock.release()
         if data:
             return False  # an answer of a call given up on: pump reads it
-        self._break("closed by the actor (it restarted or died)")
+        self._break(CLOSED)
         return True
 
     def forget(self, call: ChannelCall[Any]) -> None:
@@ -333,7 +336,7 @@ class ChannelClient:
                     self._break(f"receive failed ({exc.strerror or exc})")
                     return
                 if not data:
-                    self._break("closed by the actor (it restarted or died)")
+                    self._break(CLOSED)
                     return
                 self._buf += data
                 self._dispatch()

@@ -353,14 +353,16 @@ PEER_TRANSFER_CONFIG = {
 
 
 def engine_env(tmp: Path, ray_address: str | None, kv_cache_gb: int = 1) -> dict[str, str]:
-    """The engines' environment: vLLM's cache and its ZMQ sockets (``ipc://`` files, about
-    seven per server, which outlive their processes; by default in the system's temp dir)
-    under the run's ``tmp``, removed with it."""
+    """The engines' environment: vLLM's ZMQ sockets (``ipc://`` files, about seven per
+    server, which outlive their processes; by default in the system's temp dir) under the
+    run's ``tmp``, removed with it, and so is vLLM's cache unless ``VLLM_CACHE_ROOT`` names
+    one (where vLLM keeps what it learned of a model's class: an engine that finds it
+    there does not inspect the class in a fresh interpreter, ~10 s of CPU)."""
     rpc = tmp / "vllm-rpc"
     rpc.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(tmp / "vllm-cache"),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
         "VLLM_RPC_BASE_PATH": str(rpc),
     }

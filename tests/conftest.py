@@ -36,6 +36,13 @@ def _vllm_dist_files() -> set[Path]:
 
 if not os.environ.get("PYTEST_XDIST_WORKER"):
     _BEFORE_RUN = _vllm_dist_files()
+    # vLLM inspects a model's class in a fresh interpreter (it imports vLLM: ~10 s of CPU
+    # here) unless ``VLLM_CACHE_ROOT/modelinfos`` holds it already: one cache root for the
+    # run, made here and inherited by the xdist workers, so that every engine and server
+    # of the run after the first of each architecture reads it from there.
+    VLLM_CACHE = tempfile.mkdtemp(prefix="kvray-vllm-cache-")
+    os.environ["VLLM_CACHE_ROOT"] = VLLM_CACHE
+    atexit.register(shutil.rmtree, VLLM_CACHE, ignore_errors=True)
 
     def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for path in _vllm_dist_files() - _BEFORE_RUN:

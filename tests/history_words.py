@@ -10,6 +10,7 @@ HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 """A hand-typed commit hash: 7-40 hex digits as a word, with a digit and a letter."""
 HISTORY = re.compile(
     r"(?i)\b(?:issues?|PRs?|pull requests?|stops?|turns?|sessions?)\s+#?\d+\b"
-    r"|\b(?:19|20)\d\d-[01]\d-[0-3]\d\b"
+    r"|\b(?:19|20)\d\d-(?:0[1-9]|1[0-2])(?:-[0-3]\d)?\b"
 )
-"""kvray's issue numbers, session words (a stop or turn with its number) and ISO dates."""
+"""kvray's issue numbers, session words (a stop or turn with its number) and ISO dates,
+a month (``YYYY-MM``) too."""

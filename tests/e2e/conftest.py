@@ -140,9 +140,7 @@ def psm_left_behind(before: set[str]) -> set[str]:
 
 
 def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
-    env = {**os.environ, "RAY_ADDRESS": cluster}
-    env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    return env
+    return {**os.environ, "RAY_ADDRESS": cluster}
 
 
 def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:

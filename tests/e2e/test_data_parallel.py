@@ -91,7 +91,6 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
         **os.environ,
         "RAY_ADDRESS": ray_cluster,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
     }
     transfer = json.dumps({
         "kv_connector": "KVRayConnector", "kv_connector_module_path": "kvray.connector",

@@ -107,7 +107,6 @@ def _base_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
         KVRAY_RUN_DIR=str(tmp / "run"),
         KVRAY_EMBEDDED_LINGER_S="1",
     )

@@ -101,7 +101,6 @@ def pd(ray_cluster, tiny_model, tmp_path_factory):  # type: ignore[no-untyped-de
         "PYTHON": sys.executable,
         "HOST": "127.0.0.1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
     }
     vllm_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
                  "--no-enable-prefix-caching", "--seed", "0"]  # fmt: skip

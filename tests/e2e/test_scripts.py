@@ -135,10 +135,8 @@ def test_demo_vllm_smoke_ends_quietly(tmp_path, prefill_model):
     """``make demo``'s script, smoke-sized: pass 2 loads every prefix block from the pool,
     and the run ends without noise."""
     out = tmp_path / "demo.json"
-    res = run_script(
-        "demo_vllm.py", "--model-dir", prefill_model, "--json", str(out),
-        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}, timeout_s=400,
-    )  # fmt: skip
+    res = run_script("demo_vllm.py", "--model-dir", prefill_model, "--json", str(out),
+                     timeout_s=400)  # fmt: skip
     assert "pool hit rate" in res.stdout
     assert json_keys(out) == DEMO_KEYS
     first, second = json.loads(out.read_text())["passes"]

@@ -26,10 +26,7 @@ BLOCK = 128
 def _engine(two_nodes, node: str, tmp: Path, name: str, spec: dict) -> dict:  # type: ignore[no-untyped-def]
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(engine_mod.engine_spec(spec)))
-    res = two_nodes.run_script(
-        node, ENGINE, str(spec_path), str(out_path), timeout=600,
-        env={"VLLM_CACHE_ROOT": str(tmp / "vllm-cache")},
-    )  # fmt: skip
+    res = two_nodes.run_script(node, ENGINE, str(spec_path), str(out_path), timeout=600)
     out = dict(json.loads(out_path.read_text()))
     out["log"] = res.stdout + res.stderr
     return out

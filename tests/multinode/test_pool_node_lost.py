@@ -71,7 +71,7 @@ def test_the_pools_node_lost_and_back_while_an_engine_on_another_node_serves(
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
             "--no-enable-prefix-caching", "--seed", "0",
             "--kv-transfer-config", _transfer()]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     with serving(two_nodes, tmp_path, POOL, [("engine", "A", argv)], env) as log:
 
         def tokens(seed: int) -> list[int]:

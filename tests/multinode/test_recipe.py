@@ -95,7 +95,7 @@ def test_the_multi_node_recipe_as_written(two_nodes, tmp_path, tiny_model):
     assert "256MB" in config.read_text()
     variables = {"NODE1": NODE_IPS["A"], "NODE2": NODE_IPS["B"], "TP": "1",
                  "MODEL": tiny_model, "POOL_CONFIG": str(config)}  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1",
            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin"}  # fmt: skip
     preamble = "".join(f"{k}={shlex.quote(v)}\n" for k, v in variables.items()) + SHIM
     node_of = {"1": "A", "2": "B"}

@@ -122,7 +122,7 @@ def test_tp2_with_one_rank_per_node_loads_from_dram_then_from_ssd(two_nodes, tmp
     for node in ("A", "B"):
         two_nodes.run_python(node, f"import os; os.makedirs({ssd!r}, exist_ok=True)")
     two_nodes.json("A", "start-ssd", pool, ssd)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
     with serving(two_nodes, tmp_path, pool, _nnodes_servers(tiny_model, pool), env) as head_log:
         dram = _store_and_load(two_nodes, head_log, pool, tiny_model, seed=31)
@@ -162,7 +162,7 @@ def test_tp2_under_vllms_ray_executor(two_nodes, tmp_path, tiny_model):
 
     assert two_nodes.gpus == 1 and two_nodes.raylet_env.get(ENV) == "1"
     two_nodes.json("A", "start", "mray")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENV: "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", ENV: "1"}
     argv = ["-m", "vllm.entrypoints.openai.api_server", *_common(tiny_model, "mray"),
             "--distributed-executor-backend", "ray"]  # fmt: skip
     with serving(two_nodes, tmp_path, "mray", [("ray", "A", argv)], env) as head_log:

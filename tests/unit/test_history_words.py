@@ -13,7 +13,7 @@ log line or an error message is something users read. What fails:
   addresses: both pass;
 - a commit hash: 7 to 40 lowercase hex digits with a digit and a letter, standing as a
   word (not glued by ``@ - / _`` to a larger token such as a key or a path);
-- a date: ISO ``YYYY-MM-DD``, or a month's name next to a day or a year.
+- a date: ISO ``YYYY-MM-DD`` or ``YYYY-MM``, or a month's name next to a day or a year.
 
 Hex that is data is not a hash, by where it stands, never by a list of values:
 

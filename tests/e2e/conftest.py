@@ -161,15 +161,19 @@ def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
 
 
 MAX_ALIVE = max(1, 3 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-"""Live engines at once on this machine (24 GiB: each is ~1.5 GiB of process and 1 GiB of
-KV cache): 3, shared by the xdist workers of a parallel run."""
+"""Live engines at once on this machine besides each worker's reference (24 GiB: each is
+~1.5 GiB of process and 1 GiB of KV cache): 3, shared by the xdist workers of a parallel
+run. A test holding its engine and the reference has two alive either way."""
 
 
 class Engines:
     """Live engines shared by the session's tests, one per SPEC: beyond MAX_ALIVE, the
     least recently used is closed, but never one the running test got (a test may drive
-    two at once: its engine and the reference); the ones not in use are paused (SIGSTOP),
-    so that their idle threads take no CPU from the engine a test drives or starts."""
+    two at once: its engine and the reference), nor the reference itself (the most
+    recently used engine without a connector, which most tests ask for beside their own:
+    closed with the others, it was made again for nearly every test); the ones not in
+    use are paused (SIGSTOP), so that their idle threads take no CPU from the engine a
+    test drives or starts."""
 
     def __init__(self, cluster: str, tmp: Path) -> None:
         self.cluster, self.tmp = cluster, tmp
@@ -190,8 +194,9 @@ class Engines:
                 other.pause()
         eng = self._alive.get(key)
         if eng is None:
-            for old in [k for k in self._alive if k not in self._held]:
-                if len(self._alive) < MAX_ALIVE:
+            kept = self._reference()
+            for old in [k for k in self._alive if k not in self._held and k != kept]:
+                if len(self._alive) - (kept is not None) < MAX_ALIVE:
                     break
                 self._alive.pop(old).close()
             self._made += 1
@@ -208,6 +213,11 @@ class Engines:
         self._held.add(key)
         eng.resume()
         return eng
+
+    def _reference(self) -> str | None:
+        """The key of the most recently used live engine without a connector."""
+        plain = [k for k, e in self._alive.items() if not e.spec.get("kv_transfer_config")]
+        return plain[-1] if plain else None
 
     def close(self, *, connected_only: bool = False) -> None:
         """Every live engine, or (``connected_only``) those with a KV connector: before

@@ -171,7 +171,7 @@ class Engines:
     least recently used is closed, but never one the running test got (a test may drive
     two at once: its engine and the reference), nor the reference itself (the most
     recently used engine without a connector, which most tests ask for beside their own:
-    closed with the others, it was made again for nearly every test); the ones not in
+    closed to make room, it would be made again for nearly every test); the ones not in
     use are paused (SIGSTOP), so that their idle threads take no CPU from the engine a
     test drives or starts."""
 

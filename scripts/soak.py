@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shm_before = shm_entries()
     tmp = Path(tempfile.mkdtemp(prefix="kvray-soak-"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.setdefault("VLLM_CACHE_ROOT", str(tmp / "cache"))  # vLLM's cache: the user's, or the run's
+    cache = os.environ.get("VLLM_CACHE_ROOT") or str(tmp / "cache")  # the user's, or the run's
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": cache}
     env.pop("PYTHONHASHSEED", None)  # vLLM's default seed: block_keys() hashes the same
     if args.model:
         model = str(args.model)

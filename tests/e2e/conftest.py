@@ -139,7 +139,7 @@ def psm_left_behind(before: set[str]) -> set[str]:
     return {str(p) for p in unmapped_shm({Path(p) for p in new})}
 
 
-def engine_env(cluster: str, tmp_path: Path) -> dict[str, str]:
+def engine_env(cluster: str) -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": cluster}
 
 
@@ -149,9 +149,7 @@ def run_engine(cluster: str, tmp_path: Path, name: str, spec: dict) -> dict:
     ``{"runs": [{"outputs", "finish_reasons", "lines", "block_hashes", ...}],
     "block_hashes": [...], "timelines": [...], "log": str}`` (hashes and timelines of
     every run's requests, in order)."""
-    result, printed = run_once(
-        engine_spec(spec), engine_env(cluster, tmp_path), tmp_path, name, fork=True
-    )
+    result, printed = run_once(engine_spec(spec), engine_env(cluster), tmp_path, name, fork=True)
     assert result is not None, f"engine {name} failed:\n{printed[-6000:]}"
     assert_no_region_left("engine processes")
     result["block_hashes"] = [h for run in result["runs"] for h in run["block_hashes"]]
@@ -203,7 +201,7 @@ class Engines:
             eng = LiveEngine(
                 f"engine-{self._made}",
                 full,
-                engine_env(self.cluster, self.tmp),
+                engine_env(self.cluster),
                 self.tmp,
                 fork=True,
             )

@@ -182,7 +182,7 @@ def test_sigkilled_engine_leaves_no_region(
     killed = LiveEngine(
         "killed",
         engine_spec(spec(tiny_model, placement)),
-        engine_env(ray_cluster, tmp_path),
+        engine_env(ray_cluster),
         tmp_path,
         fork=True,
     )

@@ -13,12 +13,15 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 - ``to lookup``: from vLLM's arrival stamp to the lookup being sent;
 - ``lookup``: sent to answered, as the scheduler saw it (``waits``: steps it sat out);
 - ``async load``: a hybrid model's (asynchronous) load, from the answer to its end
-  reaching the scheduler (the steps the request sat in WAITING_FOR_REMOTE_KVS);
+  reaching the scheduler (the steps the request sat in WAITING_FOR_REMOTE_KVS), less
+  the BackendClient's own time serving it (counted in ``load client``): the send, the
+  node channel, the worker noticing the end and the steps around it;
 - ``to step``: from there to the step that computes its first token being handed to the
   workers (scheduling, block allocation, metadata);
 - ``load client`` and ``load rest``: that step waiting for pool loads, split into the
   time the BackendClient spent serving them (its backend's get, the checksum
-  verification; as it measured it, reported over the node channel) and the rest (the
+  verification; as it measured it, reported over the node channel; with an async load,
+  its serving time too, though the step did not wait for it) and the rest (the
   channel, the worker's own work, staged: the scatter; all of it with
   ``transfer_channel: ray``, which reports no split); ``forward``: the forward itself;
 - ``after step``: the step's connector work after the forward (saves sent) and the step
@@ -85,12 +88,13 @@ def split(ttft_ms: float, tl: dict[str, Any]) -> dict[str, float]:
     built, done = tl["first_step_built_ms"], tl["first_token_ms"]
     load, forward = tl["load_wait_ms"] or 0.0, tl["forward_ms"] or 0.0
     served = tl.get("load_served_ms") or 0.0
+    async_served = tl.get("async_served_ms") or 0.0
     return {
         "to_lookup": lag + sent,
         "lookup": answered - sent,
-        "async_load": loaded - answered,
+        "async_load": loaded - answered - async_served,
         "to_step": built - loaded,
-        "load_client": served,
+        "load_client": served + async_served,
         "load_rest": load - served,
         "forward": forward,
         "after_step": done - built - load - forward,

@@ -107,9 +107,16 @@ class Loader:
         self._served_s = 0.0
         """Of the sync loads waited for since the last :meth:`take_served`: the time the
         BackendClient spent serving them (the slowest call of each wait)."""
+        self._async_served_s = 0.0
+        """Of the async loads accounted since the last :meth:`take_async_served`: the
+        slowest call's BackendClient time."""
 
     def take_served(self) -> float:
         served, self._served_s = self._served_s, 0.0
+        return served
+
+    def take_async_served(self) -> float:
+        served, self._async_served_s = self._async_served_s, 0.0
         return served
 
     def _count_served(self, calls: list[Call[list[KeyStatus]]]) -> None:
@@ -236,6 +243,8 @@ class Loader:
         finished = [ld for ld in self._async if all(id(c) in ended for c in ld.calls)]
         self._async = [ld for ld in self._async if ld not in finished]
         for load in finished:
+            served = max((c.served_s or 0.0 for c in load.calls), default=0.0)
+            self._async_served_s = max(self._async_served_s, served)
             try:
                 statuses = self._region.combine(self._waits.results(load.calls, None))
             except KVRayError as exc:

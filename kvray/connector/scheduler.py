@@ -497,9 +497,10 @@ class KVRayScheduler:
         return tuple(range(max(1, len(self.info.groups))))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        if output.finished_recving:
-            self._timelines.async_loaded(output.finished_recving)
         times = getattr(output, "kv_connector_worker_meta", None)
+        if output.finished_recving:
+            served = times.async_served_ms if isinstance(times, StepTimes) else None
+            self._timelines.async_loaded(output.finished_recving, served)
         if isinstance(times, StepTimes):
             self._timelines.step_times(times)
             failed = bool(output.invalid_block_ids)

@@ -43,6 +43,11 @@ class StepTimes(KVConnectorWorkerMetadata):
     saved_through: int = -1
     """Every save bound in this step or before has ended (stored or failed); the
     earliest of the ranks'. -1: not known."""
+    async_served_ms: float = 0.0
+    """Of the async loads this step reports ended (``finished_recving`` of the same
+    output): the BackendClient's own time serving them (the slowest call), as it
+    measured it; the rest of such a load's time is the node channel, the worker noticing
+    it, and the steps around it. 0 where none ended or over Ray calls."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, StepTimes):
@@ -55,6 +60,7 @@ class StepTimes(KVConnectorWorkerMetadata):
             max(self.save_ms, other.save_ms),
             slow.load_served_ms,
             min(self.saved_through, other.saved_through),
+            max(self.async_served_ms, other.async_served_ms),
         )
 
 
@@ -68,6 +74,7 @@ class StepClock:
         self._load_wait = 0.0
         self._served = 0.0
         self._save = 0.0
+        self._async_served = 0.0
         self._forward_end = 0.0
         self.active = False
 
@@ -75,7 +82,7 @@ class StepClock:
         self.step, self.active = step, True
         self._bound = time.perf_counter()
         self._in_connector = self._load_wait = self._save = self._forward_end = 0.0
-        self._served = 0.0
+        self._served = self._async_served = 0.0
 
     def loaded(self, seconds: float, *, waited: bool, served: float = 0.0) -> None:
         """``seconds`` spent in start_load_kv (the forward waited when ``waited``) or in
@@ -84,6 +91,11 @@ class StepClock:
         if waited:
             self._load_wait += seconds
             self._served += min(served, seconds)
+
+    def async_served(self, seconds: float) -> None:
+        """Async loads reported ended this step: the BackendClient's own time serving
+        them (the slowest)."""
+        self._async_served = max(self._async_served, seconds)
 
     def saving(self, start: float, seconds: float) -> None:
         if not self._forward_end:
@@ -103,6 +115,7 @@ class StepClock:
             self._save * 1e3,
             self._served * 1e3,
             saved_through,
+            self._async_served * 1e3,
         )
 
 
@@ -122,6 +135,8 @@ class Timeline:
     async_loaded_ms: float | None = None
     """Its async load's end reached the scheduler (vLLM's ``finished_recving``): from the
     next step on the request can compute."""
+    async_served_ms: float | None = None
+    """Of the async load, the BackendClient's own time (:class:`StepTimes`)."""
     first_step_built_ms: float | None = None
     """The step computing the first token was handed to the workers."""
     load_wait_ms: float | None = None

@@ -74,12 +74,14 @@ class RequestTimelines:
                     tl.save_ms = times.save_ms
                 self._log_parked(rid)
 
-    def async_loaded(self, rids: set[str]) -> None:
-        """The async loads of ``rids`` ended (reported in a step's output)."""
+    def async_loaded(self, rids: set[str], served_ms: float | None = None) -> None:
+        """The async loads of ``rids`` ended (reported in a step's output, with the
+        BackendClient's own time for the slowest of them: ``served_ms``)."""
         for rid in rids:
             clock = self._clocks.get(rid)
             if clock is not None and clock.timeline.async_loaded_ms is None:
                 clock.timeline.async_loaded_ms = clock.now_ms()
+                clock.timeline.async_served_ms = served_ms
 
     def finished(self, rid: str, st: RequestState | None) -> None:
         """``rid`` finished: logged now, or once its first-token step's times came."""
@@ -108,7 +110,8 @@ class RequestTimelines:
 
         self._logger.debug(
             "timeline request_id=%s arrival_lag=%s lookup_sent=%s lookup_answered=%s%s "
-            "lookup_wait_steps=%d admitted=%s async_loaded=%s first_step_built=%s load_wait=%s "
+            "lookup_wait_steps=%d admitted=%s async_loaded=%s (served %s) first_step_built=%s "
+            "load_wait=%s "
             "(served %s) forward=%s "
             "first_token=%s prefill_steps=%d (ms from first sight)",
             rid,
@@ -119,6 +122,7 @@ class RequestTimelines:
             tl.lookup_wait_steps,
             ms(tl.admitted_ms),
             ms(tl.async_loaded_ms),
+            ms(tl.async_served_ms),
             ms(tl.first_step_built_ms),
             ms(tl.load_wait_ms),
             ms(tl.load_served_ms),

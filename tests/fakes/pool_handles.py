@@ -43,6 +43,9 @@ class FakeCall:
         self.error = error
         self.pending = pending
         self.cancelled = False
+        self.served: float | None = None
+        """What :attr:`served_s` reports: None, as Ray's calls; a test sets seconds, as
+        the node channel reports them."""
         self.on_finish: Callable[[], None] | None = None
         """Runs when a pending call is finished (the fake store moves its bytes then)."""
 
@@ -61,8 +64,7 @@ class FakeCall:
 
     @property
     def served_s(self) -> float | None:
-        """Ray's calls report no served time (the node channel's do)."""
-        return None
+        return self.served
 
     def result(self, timeout_s: float | None) -> Any:
         if self.pending:

@@ -320,6 +320,16 @@ def test_async_loads_are_planned_as_such():
     # Nothing computes in that step (the worker may wait in it for the load); in the next,
     # something does.
     assert meta.idle
+    # The step's output reports the load ended, with the BackendClient's time serving it:
+    # the request's timeline has both.
+    s.sched.update_connector_output(
+        KVConnectorOutput(
+            finished_recving={"r1"},
+            kv_connector_worker_meta=StepTimes(meta.step, async_served_ms=5.0),
+        )
+    )
+    tl = s.sched._timelines._clocks["r1"].timeline  # noqa: SLF001
+    assert tl.async_loaded_ms is not None and tl.async_served_ms == 5.0
     assert not s.step({"r1": 6}).idle
 
 

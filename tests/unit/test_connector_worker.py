@@ -206,9 +206,24 @@ class AnsweringWaits(FakeWaits):
         return super().ready(calls, timeout_s, every=every)
 
 
+class ServedWaits(AnsweringWaits):
+    """:class:`AnsweringWaits` whose answers say the BackendClient served each call in
+    ``served_s`` seconds (as node-channel answers do)."""
+
+    def __init__(self, served_s: float) -> None:
+        super().__init__()
+        self.served_s = served_s
+
+    def ready(self, calls: Any, timeout_s: float = 0, *, every: bool = False) -> list[bool]:
+        for call in calls:
+            if timeout_s and not call.done():
+                call.served = self.served_s
+        return super().ready(calls, timeout_s, every=every)
+
+
 @pytest.mark.parametrize("idle", [True, False], ids=["nothing-computes", "a-forward-runs"])
 def test_a_step_where_nothing_computes_waits_for_its_async_loads_and_reports_them(engine, idle):
-    e = engine("shared", waits=AnsweringWaits(), load_async=True)
+    e = engine("shared", waits=ServedWaits(0.004), load_async=True)
     e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
     e.worker.get_finished(set())
     e.store.hang = True  # the load's answer comes only while the worker waits for it
@@ -223,6 +238,10 @@ def test_a_step_where_nothing_computes_waits_for_its_async_loads_and_reports_the
         # A step that computes others' tokens does not hold them back for it.
         assert done == (None, None)
         assert IDLE_WAIT_S not in e.waits.timeouts
+    # The step that reports the load ended carries the BackendClient's time serving it;
+    # a step that reports none carries none.
+    times = e.worker.step_times()
+    assert times is not None and times.async_served_ms == (4.0 if idle else 0.0)
 
 
 @pytest.mark.parametrize("awaits", [True, False], ids=["a-lookup-awaits", "nothing-awaits"])

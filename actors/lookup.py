@@ -26,6 +26,7 @@ from kvray.naming import client_name, ssd_name
 from kvray.ray_env import normal_priority
 from kvray.remote import ManagerHandle, ManagerLink, Remake, StoreHandle
 from kvray.stats import RankStats
+from kvray.store.channel import ChannelServer
 
 
 class LookupActor:
@@ -53,6 +54,10 @@ class LookupActor:
             index = BlockIndex.create(config.lookup_index_blocks)
             self._keeper = IndexKeeper(index)
         self._index_task: asyncio.Task[None] | None = None
+        self._channel: ChannelServer | None = None
+        """The node channel this node's clients send their index changes on."""
+        self._channel_applies = 0
+        """Index changes received over it (the rest came as Ray calls)."""
         self._synced = asyncio.Event()
         """Set once the keeper applied the manager's first update."""
 
@@ -114,6 +119,21 @@ class LookupActor:
         """This node's clients' changes, as they make them."""
         if self._keeper is not None:
             self._keeper.apply_local(changes)
+
+    async def _index_apply_by_channel(self, changes: list[IndexChange]) -> None:
+        self._channel_applies += len(changes)
+        await self.index_apply(changes)
+
+    async def channel(self) -> str:
+        """The address of this actor's node channel (:mod:`kvray.store.channel`), on
+        which the node's clients send their index changes without a Ray round trip (a
+        store's change is applied before the store returns: it is on the path of a
+        lookup waiting for that store)."""
+        if self._channel is None:
+            self._channel = ChannelServer(
+                f"{self._config.name}-lookup", {"index_apply": self._index_apply_by_channel}
+            )
+        return await self._channel.start()
 
     async def index_spec(self) -> IndexSpec | None:
         """Asked by a scheduler as it attaches: the node's clients connect to this keeper
@@ -185,9 +205,12 @@ class LookupActor:
             "ssd_asks": [[p.node_id, p.slot, n] for p, n in self._service.ssd_asks.items()],
             # the node's block index as the pool's stream keeps it (None: no index)
             "index": None if keeper is None else keeper.state(),
+            "index_channel_applies": self._channel_applies,
         }
 
     async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         if self._index_task is not None:
             self._index_task.cancel()
         if self._keeper is not None:

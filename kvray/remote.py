@@ -392,6 +392,11 @@ class LookupHandle(Handle):
         """This node's clients' block-index changes, applied as they make them."""
         return self._call("index_apply", changes)
 
+    def channel(self) -> Call[str]:
+        """The address of the node channel the actor takes ``index_apply`` on (its node's
+        clients only), listening from this call on."""
+        return self._call("channel")
+
     def index_spec(self) -> Call[IndexSpec | None]:
         """The node's block index, for a scheduler to map (None: the pool keeps none)."""
         return self._call("index_spec")

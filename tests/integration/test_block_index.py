@@ -66,6 +66,10 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
             assert not index.tiers(d[1]).any()  # rank 1 stored nothing yet
             pool.put(space.rank_key_strs(hashes, 1), [block] * 6, rank=1)
             shows(index, d[1], [DRAM] * 6)
+            # The clients handed their changes to the keeper on its node channel, not as
+            # Ray calls.
+            lookup = pool._h.lookup()
+            assert lookup.snapshot().result(30)["index_channel_applies"] >= 2
 
             # kvray removes rank 0's first block: it says so.
             assert pool.remove(space.rank_key_strs(hashes[:1], 0), force=True) == [KeyStatus.OK]
@@ -75,7 +79,6 @@ def test_stores_removes_and_evictions_reach_the_nodes_index(ray_cluster, mooncak
             shows(index, d[0, :1], [DRAM])
             assert index.age_s() < 5, "the keeper is not current"
             # A step's pin: the Lookup actor's exists over every rank's key, counted.
-            lookup = pool._h.lookup()
             before = lookup.snapshot().result(30)["stats"]["pins"]
             lookup.pin(space, hashes, 5.0).result(30)
             after = lookup.snapshot().result(30)["stats"]

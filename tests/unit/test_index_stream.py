@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 
+from kvray.errors import KVRayError
 from kvray.index.block_index import DRAM, GONE, REMOVED, BlockIndex, key_digests
 from kvray.index.stream import OP_ADD, OP_GONE, OP_REMOVE, IndexChange, IndexHub, IndexKeeper
 
@@ -226,10 +227,17 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
         async def aresult(self, timeout_s: float) -> None:
             return None
 
+    class NoChannel:
+        async def aresult(self, timeout_s: float) -> None:
+            raise KVRayError("no node channel here")
+
     class Keeper:
         def index_apply(self, changes: list[IndexChange]) -> Done:
             calls.append(changes)
             return Done()
+
+        def channel(self) -> NoChannel:  # (its changes then go as these Ray calls)
+            return NoChannel()
 
     found = iter([None, Keeper()])
     tries: list[str] = []
@@ -249,6 +257,72 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
     assert len(tries) == 2 and isinstance(pub._keeper, Keeper) and calls == [[]]
     asyncio.run(pub.publish([change(OP_ADD, keys(1))]))
     assert len(calls) == 2 and len(tries) == 2  # the next store goes straight to it
+
+
+def test_a_publisher_hands_its_changes_over_the_keepers_node_channel_and_ray_when_it_broke(
+    monkeypatch,
+) -> None:
+    """The keeper takes a store's changes on its node channel (no Ray round trip on the
+    path of a lookup waiting for that store). When the channel breaks (the keeper
+    restarted), the change goes as a Ray call, and the channel is asked for again after
+    the retry pause."""
+    from kvray.config import PoolConfig
+    from kvray.store import index_publisher
+    from kvray.store.channel import ChannelServer
+
+    by_channel: list[list[IndexChange]] = []
+    by_ray: list[list[IndexChange]] = []
+
+    class Done:
+        async def aresult(self, timeout_s: float) -> None:
+            return None
+
+    class Address:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        async def aresult(self, timeout_s: float) -> str:
+            return self.address
+
+    async def apply(changes: list[IndexChange]) -> None:
+        by_channel.append(changes)
+
+    class Keeper:
+        name = "Lookup@node-1"
+        server: ChannelServer | None = None
+
+        def index_apply(self, changes: list[IndexChange]) -> Done:
+            by_ray.append(changes)
+            return Done()
+
+        def channel(self) -> Address:
+            assert self.server is not None
+            return Address(self.server.address)
+
+    keeper = Keeper()
+    monkeypatch.setattr(index_publisher.remote, "find", lambda name, namespace: keeper)
+    monkeypatch.setattr(index_publisher, "LookupHandle", lambda actor, name: actor)
+    pub = index_publisher.IndexPublisher(PoolConfig.from_dict({}, environ={}), "node-1", "t")
+
+    async def run() -> None:
+        keeper.server = ChannelServer("test-keeper", {"index_apply": apply})
+        await keeper.server.start()
+        await pub.publish([change(OP_ADD, keys(2))])
+        await pub.publish([change(OP_ADD, keys(1))])
+        assert [len(c) for c in by_channel] == [1, 1] and by_ray == []
+        await keeper.server.close()  # the keeper went away: its channel is closed
+        await pub.publish([change(OP_ADD, keys(1))])
+        assert len(by_channel) == 2 and len(by_ray) == 1
+        await pub.publish([change(OP_ADD, keys(1))])  # within the pause: Ray again
+        assert len(by_ray) == 2
+        keeper.server = ChannelServer("test-keeper", {"index_apply": apply})
+        await keeper.server.start()
+        pub._channel_asked_at -= index_publisher.KEEPER_RETRY_S  # the pause is over
+        await pub.publish([change(OP_ADD, keys(1))])
+        assert len(by_channel) == 3 and len(by_ray) == 2
+        await keeper.server.close()
+
+    asyncio.run(run())
 
 
 class Publisher:

@@ -153,8 +153,9 @@ class IndexPublisher:
                     self.sweep.seen_evicted = evicted
 
     async def connect(self) -> None:
-        """Find this node's keeper now and make the first call to it (Ray's connection to
-        it), so that the first store pays for neither before it returns: a scheduler's
+        """Find this node's keeper now and make the first call to it (its node channel, or
+        Ray's connection to it), so that the first store pays for neither before it
+        returns: a scheduler's
         read-your-writes waits for it (measured: up to 550 ms on a busy 2-core host, more
         than a lookup waits for a save in flight). Asked by the node's Lookup actor as a
         scheduler attaches."""

@@ -30,6 +30,10 @@ request whose lookup missed some of its blocks adds `` miss=<reason>``: one of
 kvray.misses' reasons, or ``save_in_flight`` (the block's save by this instance had not
 ended, or the node's index did not show it yet, when the lookup timeout ran out)."""
 REQUEST_MISS_FORMAT = REQUEST_FORMAT + " miss=%s"
+ESTIMATE_FORMAT = " est_load_ms=%.2f est_compute_ms=%.2f"
+"""Added to the per-request line where the hit was weighed against computing it (both of
+this engine's rates measured, ``recompute_slow_hits``): what loading it and computing its
+tokens were estimated to cost. ``miss=not_worth_loading`` says it was computed."""
 COUNTS = ("total_blocks", "hit_local", "hit_pool", "loaded", "failed", "saved")
 KEYS_FORMAT = "KVRayConnector scheduler: keys %s@%s, block geometries %s%s"
 """Namespace, layout, the block geometries of every rank and KV cache group (rank-major)
@@ -41,6 +45,7 @@ _REQUEST = re.compile(
     r"(?:\(EngineCore\S* pid=(\d+)\).*?)?request_id=(\S+) "
     + " ".join(rf"{name}=(\d+)" for name in COUNTS)
     + r"(?: miss=(\S+))?"
+    + r"(?: est_load_ms=([\d.]+) est_compute_ms=([\d.]+))?"
 )
 _KEYS = re.compile(
     r"KVRayConnector scheduler: keys ([^\s@]+)@(\S+), block geometries ([0-9a-f]+(?:,[0-9a-f]+)*)"
@@ -63,6 +68,10 @@ class RequestLine:
     """The engine-core process that logged it, where vLLM's prefix names one."""
     miss: str = ""
     """Why its lookup stopped short (empty: a whole hit, or no lookup)."""
+    est_load_ms: float | None = None
+    """What loading its pool hit was estimated to cost (None: not weighed)."""
+    est_compute_ms: float | None = None
+    """What computing that hit's tokens instead was estimated to cost."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -81,12 +90,27 @@ def groups_note(space: KeySpace) -> str:
     return f", kv_groups {space.kv_groups}{states}"
 
 
+def log_request(logger: logging.Logger, line: RequestLine) -> None:
+    """Log ``line`` at INFO (the record carries it whole as ``kvray_request``)."""
+    fmt = REQUEST_MISS_FORMAT if line.miss else REQUEST_FORMAT
+    args: tuple[object, ...] = (line.request_id, *line.counts.values())
+    if line.miss:
+        args += (line.miss,)
+    if line.est_load_ms is not None:
+        fmt += ESTIMATE_FORMAT
+        args += (line.est_load_ms, line.est_compute_ms)
+    logger.info(fmt, *args, extra={"kvray_request": line})
+
+
 def request_lines(log: str) -> list[RequestLine]:
     """Every per-request line in ``log``, in order."""
     out = []
-    for pid, rid, *counts, miss in _REQUEST.findall(log):
+    for pid, rid, *counts, miss, load, compute in _REQUEST.findall(log):
         total, local, pool, loaded, failed, saved = (int(x) for x in counts)
-        out.append(RequestLine(rid, total, local, pool, loaded, failed, saved, pid or None, miss))
+        est = (float(load), float(compute)) if load else (None, None)
+        out.append(
+            RequestLine(rid, total, local, pool, loaded, failed, saved, pid or None, miss, *est)
+        )
     return out
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.connector.kv_groups import NULL_BLOCK
 from kvray.connector.metadata import BlockOp
+from kvray.connector.worth import Estimate
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -51,6 +52,9 @@ class RequestState:
     a whole hit, or no lookup)."""
     ssd_blocks: int = 0
     """Of the pool blocks, how many only the SSD tier held at lookup."""
+    estimate: Estimate | None = None
+    """What loading the pool hit and computing it were estimated to cost when it was
+    weighed (:mod:`kvray.connector.worth`; None: not weighed)."""
 
     @property
     def block_ids(self) -> list[int]:

@@ -37,12 +37,7 @@ from kvray.connector.events import BlockDescriber, topic_of
 from kvray.connector.hash_registration import HashRegistration
 from kvray.connector.instance import InstanceInfo
 from kvray.connector.load_policy import FAIL, FAIL_WARNING
-from kvray.connector.log_lines import (
-    KEYS_FORMAT,
-    REQUEST_FORMAT,
-    REQUEST_MISS_FORMAT,
-    groups_note,
-)
+from kvray.connector.log_lines import KEYS_FORMAT, RequestLine, groups_note, log_request
 from kvray.connector.lookup import Lookups, PendingLookup
 from kvray.connector.metadata import BlockOp, KVRayMetadata
 from kvray.connector.own_saves import OwnSaves
@@ -61,7 +56,7 @@ from kvray.connector.request_state import (
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
-from kvray.connector.worth import Worth
+from kvray.connector.worth import Decision, Worth
 from kvray.errors import KVRayError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
@@ -303,8 +298,12 @@ class KVRayScheduler:
             if failed is not None and local + hit > failed:  # (the index may lag behind)
                 capped, hit = local + hit - max(failed, local), max(0, failed - local)
         # (a PD decode loads what its prefill computed for it, whatever the rates)
-        if hit and not pending.want and not self._worth_loading(hit, min(answer.ssd, hit)):
-            refused, hit = hit, 0
+        estimate = None
+        if hit and not pending.want:
+            decision = self._worth_loading(hit, min(answer.ssd, hit))
+            estimate = decision.estimate
+            if not decision.load:
+                refused, hit = hit, 0
         clock = self._clock(request)
         clock.timeline.lookup_answered_ms = clock.now_ms()
         clock.timeline.admitted_ms = clock.timeline.lookup_answered_ms
@@ -335,18 +334,19 @@ class KVRayScheduler:
                 next_save=local + pool_blocks + refused,  # (refused: the pool holds them)
                 miss=miss,
                 ssd_blocks=min(answer.ssd, pool_blocks),
+                estimate=estimate,
             )
         )
         if external == 0:
             return 0, False
         return external, self.info.config.load_async
 
-    def _worth_loading(self, blocks: int, ssd: int) -> bool:
+    def _worth_loading(self, blocks: int, ssd: int) -> Decision:
         """Load the hit, or compute it: measured to load slower than computing its
         tokens, a hit is computed (``recompute_slow_hits``; :mod:`kvray.connector.worth`)."""
         if not self.info.config.recompute_slow_hits:
-            return True
-        return self._worth.worth_loading(blocks, ssd, self.block_size)
+            return Decision(True, None)
+        return self._worth.decide(blocks, ssd, self.block_size)
 
     def _awaits_own_save(self, request: Request, block: int) -> bool:
         """The lookup missed at ``block``: ask again while this instance's own save of it
@@ -595,11 +595,13 @@ class KVRayScheduler:
     @staticmethod
     def _log_request(rid: str, st: RequestState, total: int) -> None:
         hit, loaded, failed = st.totals()
-        counts = (rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks)
-        if st.miss:
-            logger.info(REQUEST_MISS_FORMAT, *counts, st.miss)
-        else:
-            logger.info(REQUEST_FORMAT, *counts)
+        est = st.estimate
+        line = RequestLine(
+            rid, total, st.local_blocks, hit, loaded, failed, st.saved_blocks, miss=st.miss,
+            est_load_ms=None if est is None else round(est.load_ms, 2),
+            est_compute_ms=None if est is None else round(est.compute_ms, 2),
+        )  # fmt: skip
+        log_request(logger, line)
 
     def shutdown(self) -> None:
         """The engine stops: the lookup counters not yet sent go to the pool."""

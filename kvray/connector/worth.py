@@ -80,6 +80,26 @@ def theil_sen(xy: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     return max(0.0, median(y - b * x for x, y in xy)), b
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """A hit's measured costs: loading its blocks, and computing their tokens instead."""
+
+    load_ms: float
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Load a hit, or compute it, and the estimate that decided (None: a side not
+    measured yet, so loaded)."""
+
+    load: bool
+    estimate: Estimate | None
+    probe: bool = False
+    """Loaded although measured slower: the tier's :data:`PROBE_EVERY`-th refusal in a
+    row, taken to measure the tier again."""
+
+
 @dataclass
 class _Loading:
     """Blocks planned for a load: from DRAM, and those only the SSD tier held."""
@@ -113,19 +133,32 @@ class Worth:
     def worth_loading(self, blocks: int, ssd: int, block_size: int) -> bool:
         """Whether to load a hit of ``blocks`` blocks (``ssd`` of them only on the SSD
         tier) rather than compute their tokens. True while either side is not measured."""
-        tier = "ssd" if ssd else "dram"
+        return self.decide(blocks, ssd, block_size).load
+
+    def estimate(self, blocks: int, ssd: int, block_size: int) -> Estimate | None:
+        """What loading a hit of ``blocks`` blocks (``ssd`` of them only on the SSD tier)
+        and computing its tokens are measured to cost, or None while either side is not
+        measured."""
         compute = self.compute.fit()
         load_ms = self.load_ms(blocks - ssd, ssd)
         if compute is None or load_ms is None or compute[1] <= 0:
-            return True
-        if load_ms <= compute[1] * blocks * block_size:
+            return None
+        return Estimate(load_ms, compute[1] * blocks * block_size)
+
+    def decide(self, blocks: int, ssd: int, block_size: int) -> Decision:
+        """:meth:`worth_loading`, with the estimate it was decided from."""
+        tier = "ssd" if ssd else "dram"
+        estimate = self.estimate(blocks, ssd, block_size)
+        if estimate is None:
+            return Decision(True, None)
+        if estimate.load_ms <= estimate.compute_ms:
             self._refused[tier] = 0
-            return True
+            return Decision(True, estimate)
         self._refused[tier] += 1
         if self._refused[tier] >= PROBE_EVERY:
             self._refused[tier] = 0
-            return True
-        return False
+            return Decision(True, estimate, probe=True)
+        return Decision(False, estimate)
 
     def load_ms(self, dram: int, ssd: int) -> float | None:
         """The estimated time to load ``dram`` + ``ssd`` blocks (None: not measured)."""

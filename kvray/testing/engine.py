@@ -85,12 +85,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from kvray.connector.log_lines import (
-    REQUEST_FORMAT,
-    REQUEST_MISS_FORMAT,
-    RequestLine,
-    request_counts,
-)
+from kvray.connector.log_lines import RequestLine, request_counts
 from kvray.testing import forkserver
 from kvray.testing.forkserver import ForkedProcess
 
@@ -354,13 +349,10 @@ class _Collect(logging.Handler):
         timeline = getattr(record, "kvray_timeline", None)
         if timeline is not None:
             self.timelines.append(timeline)
-        elif record.msg in (REQUEST_FORMAT, REQUEST_MISS_FORMAT) and isinstance(record.args, tuple):
-            rid, *counts = record.args
-            miss = str(counts.pop()) if record.msg == REQUEST_MISS_FORMAT else ""
-            total, local, pool, loaded, failed, saved = (int(str(c)) for c in counts)
-            self.lines.append(
-                RequestLine(str(rid), total, local, pool, loaded, failed, saved, miss=miss)
-            )
+        else:
+            line = getattr(record, "kvray_request", None)
+            if isinstance(line, RequestLine):
+                self.lines.append(line)
 
     def clear(self) -> None:
         self.lines.clear()

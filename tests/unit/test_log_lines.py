@@ -3,10 +3,16 @@ scheduler writes with the formats parses to the same values, inside vLLM's prefi
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from kvray.connector.log_lines import (
     KEYS_FORMAT,
     REQUEST_FORMAT,
+    RequestLine,
     key_space,
+    log_request,
     request_counts,
     request_lines,
 )
@@ -37,6 +43,25 @@ def test_request_lines_round_trip_with_and_without_an_engine_prefix():
         {"total_blocks": 4, "hit_local": 0, "hit_pool": 4, "loaded": 3, "failed": 1, "saved": 0},
         {"total_blocks": 2, "hit_local": 1, "hit_pool": 0, "loaded": 0, "failed": 0, "saved": 1},
     ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        RequestLine("cmpl-1", 4, 0, 4, 4, 0, 0),
+        RequestLine("cmpl-2", 4, 1, 2, 2, 0, 1, miss="evicted"),
+        RequestLine("cmpl-3", 3, 0, 3, 3, 0, 0, est_load_ms=1.5, est_compute_ms=2.25),
+        RequestLine("c4", 3, 0, 0, 0, 0, 0, None, "not_worth_loading", 3.1, 0.48),
+    ],
+)
+def test_a_logged_request_line_reads_back_whole(caplog, line):
+    """What the scheduler logs (:func:`log_request`) parses back to the same line, its
+    estimates included, and the record carries the line for in-process readers."""
+    with caplog.at_level(logging.INFO, "kvray.test"):
+        log_request(logging.getLogger("kvray.test"), line)
+    (record,) = caplog.records
+    assert record.kvray_request == line  # type: ignore[attr-defined]
+    assert request_lines(caplog.text) == [line]
 
 
 def test_key_space_round_trips_and_is_none_before_the_line():

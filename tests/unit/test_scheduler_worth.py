@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vl
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvray.connector.log_lines import request_lines  # noqa: E402
 from kvray.connector.scheduler import hash_bytes  # noqa: E402
 from kvray.connector.timeline import StepTimes  # noqa: E402
 from kvray.connector.worth import MIN_SAMPLES  # noqa: E402
@@ -74,9 +75,10 @@ def test_a_cold_engine_loads_every_hit():
     """Loads measured slow, but no prefill measured yet: a short hit is still loaded."""
     e = Engine()
     e.loads(overhead_ms=2.0, per_block_ms=0.05)
-    _, external = e.admit(4, 4)
+    req, external = e.admit(4, 4)
     assert external == 4 * BS
     assert e.s.stat("miss_not_worth_loading") == 0
+    assert e.s.sched._reqs[req.request_id].estimate is None  # not weighed
 
 
 def test_a_short_hit_slower_to_load_than_to_compute_is_computed(caplog):
@@ -95,8 +97,12 @@ def test_a_short_hit_slower_to_load_than_to_compute_is_computed(caplog):
     assert meta.loads == [] and meta.saves == []  # computed; the pool holds them already
     with caplog.at_level(logging.INFO, "kvray"):
         e.s.sched.request_finished(req, [])
-    line = f"request_id={req.request_id} total_blocks=4 hit_local=0 hit_pool=0 loaded=0"
-    assert line in caplog.text and "miss=not_worth_loading" in caplog.text
+    (line,) = request_lines(caplog.text)
+    assert (line.request_id, line.hit_pool, line.loaded) == (req.request_id, 0, 0)
+    assert line.miss == "not_worth_loading"
+    # the estimate it was decided from: 2.2 ms to load against 0.64 ms to compute
+    assert line.est_load_ms == pytest.approx(2.2, abs=0.01)
+    assert line.est_compute_ms == pytest.approx(0.64, abs=0.01)
     assert sum(r.get("miss_not_worth_loading", 0) for r in e.s.lookup.reports) == 4
 
 
@@ -117,9 +123,12 @@ def test_a_long_hit_with_the_same_rates_is_loaded():
     e = Engine()
     e.loads(overhead_ms=2.0, per_block_ms=0.05)
     e.computes()
-    _, external = e.admit(64, 64)
+    req, external = e.admit(64, 64)
     assert external == 64 * BS
     assert e.s.stat("miss_not_worth_loading") == 0
+    est = e.s.sched._reqs[req.request_id].estimate  # what its line will say
+    assert est is not None
+    assert (est.load_ms, est.compute_ms) == (pytest.approx(5.2), pytest.approx(10.24))
 
 
 def test_the_ssd_tiers_rate_is_measured_apart_from_drams():

@@ -394,63 +394,138 @@ class ChannelClient:
         self._sock.close()
 
 
+class ChannelLink:
+    """A node channel to one actor that may restart: its :class:`ChannelClient` while it
+    is up, None while it is not (the caller goes through Ray meanwhile).
+
+    A channel whose actor went (closed, or broken by a failed call) is asked for again
+    through ``ask`` (a Ray call for the actor's new address), at most every ``retry_s``:
+    without waiting from a worker's step (:meth:`live`: the first step after the answer
+    connects), or awaited on an actor's event loop (:meth:`alive`). What it could not
+    connect is warned once; a connect after one is logged."""
+
+    def __init__(self, ask: Callable[[], Call[str]], name: str, retry_s: float) -> None:
+        self._ask = ask
+        self.name = name
+        self._retry_s = retry_s
+        self._channel: ChannelClient | None = None
+        self._asking: Call[str] | None = None
+        self._asked_at = float("-inf")
+        self._failed = False
+
+    @property
+    def up(self) -> ChannelClient | None:
+        """The channel, while its actor's end is open and no call broke it."""
+        channel = self._channel
+        return None if channel is None or channel.peer_closed() else channel
+
+    @property
+    def current(self) -> ChannelClient | None:
+        """The channel connected last, up or not (None: none yet, or closed)."""
+        return self._channel
+
+    @property
+    def frames(self) -> int:
+        return self._channel.frames if self._channel is not None else 0
+
+    def connect(self, address: str) -> ChannelClient:
+        """Connect to ``address`` now (blocking), replacing the channel there was."""
+        self.close()
+        self._channel = ChannelClient(address, self.name)
+        if self._failed:
+            self._failed = False
+            logger.info("%s: node channel re-attached", self.name)
+        return self._channel
+
+    def ask_now(self) -> None:
+        """The next :meth:`live` or :meth:`alive` asks at once (no pause)."""
+        self._asked_at = float("-inf")
+
+    def live(self) -> ChannelClient | None:
+        """The channel, or None while it is down; never blocks: an ask due is sent, an
+        answer in connects."""
+        channel = self.up
+        if channel is not None:
+            return channel
+        if self._asking is None:
+            if self._due():
+                self._asking = self._ask()
+            return None
+        if not self._asking.done():
+            return None
+        asking, self._asking = self._asking, None
+        try:
+            return self.connect(asking.result(0))
+        except KVRayError as exc:
+            self._lost(exc)
+            return None
+
+    async def alive(self, timeout_s: float) -> ChannelClient | None:
+        """The channel, or None while it is down; an ask due is awaited (at most
+        ``timeout_s``), and its answer connected."""
+        channel = self.up
+        if channel is not None or not self._due():
+            return channel
+        try:
+            address = await self._ask().aresult(timeout_s)
+            return await asyncio.to_thread(self.connect, address)
+        except KVRayError as exc:
+            self._lost(exc)
+            return None
+
+    def _due(self) -> bool:
+        if time.monotonic() - self._asked_at < self._retry_s:
+            return False
+        self._asked_at = time.monotonic()
+        return True
+
+    def _lost(self, exc: KVRayError) -> None:
+        if not self._failed:
+            self._failed = True
+            logger.warning("%s: no node channel (%s); its calls go through Ray", self.name, exc)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
 class ChannelStore:
     """A worker's transfers to its node's BackendClient: over the node channel when it
     is up, through Ray (:class:`~kvray.remote.StoreHandle`) while it is not.
 
-    A broken channel is re-attached in the background: every :data:`REATTACH_S`, a Ray
-    call asks the (restarted) actor for its new address, and the first step after the
-    answer connects, so no step waits for the actor to come back. An actor that restarted
-    while the worker was idle is found before a call is sent on its old channel
-    (:meth:`ChannelClient.peer_closed`): that call goes through Ray, it does not fail.
+    A broken channel is re-attached in the background (:class:`ChannelLink`): every
+    :data:`REATTACH_S`, a Ray call asks the (restarted) actor for its new address, and the
+    first step after the answer connects, so no step waits for the actor to come back. An
+    actor that restarted while the worker was idle is found before a call is sent on its
+    old channel (:meth:`ChannelClient.peer_closed`): that call goes through Ray, it does
+    not fail.
     """
 
     def __init__(self, handle: StoreHandle, timeout_s: float) -> None:
         self.handle = handle
         self._timeout_s = timeout_s
-        self._channel: ChannelClient | None = None
-        self._asking: Call[str] | None = None
-        self._asked_at = float("-inf")
+        self._link = ChannelLink(handle.channel, handle.name, REATTACH_S)
         self.ray_calls = 0
         """Transfers sent through Ray (the channel down)."""
 
     def attach(self) -> None:
         """Connect now (at registration; blocking); a failure leaves Ray's path on."""
         try:
-            self._connect(self.handle.channel().result(self._timeout_s))
+            self._link.connect(self.handle.channel().result(self._timeout_s))
         except KVRayError as exc:
             logger.warning("%s: transfers go through Ray: %s", self.handle.name, exc)
 
-    def _connect(self, address: str) -> None:
-        self._channel = ChannelClient(address, self.handle.name)
-
     @property
     def attached(self) -> bool:
-        return self._channel is not None and self._channel.broken is None
+        return self._link.up is not None
 
     @property
     def frames(self) -> int:
-        return self._channel.frames if self._channel is not None else 0
+        return self._link.frames
 
     def _live(self) -> ChannelClient | None:
-        channel = self._channel
-        if channel is not None and not channel.peer_closed():
-            return channel
-        if self._asking is None:
-            if time.monotonic() - self._asked_at >= REATTACH_S:
-                self._asked_at = time.monotonic()
-                self._asking = self.handle.channel()
-            return None
-        if not self._asking.done():
-            return None
-        asking, self._asking = self._asking, None
-        try:
-            self._connect(asking.result(0))
-        except KVRayError as exc:
-            logger.warning("%s: node channel not back yet: %s", self.handle.name, exc)
-            return None
-        logger.info("%s: node channel re-attached", self.handle.name)
-        return self._channel
+        return self._link.live()
 
     def get(self, batch: TransferBatch) -> Call[list[KeyStatus]]:
         channel = self._live()
@@ -468,9 +543,9 @@ class ChannelStore:
 
     def flush(self) -> None:
         """Send the step's calls (one frame)."""
-        if self._channel is not None:
-            self._channel.flush()
+        channel = self._link.current
+        if channel is not None:  # (a channel that broke since fails its calls at once)
+            channel.flush()
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        self._link.close()

@@ -34,7 +34,7 @@ from kvray.index.block_index import key_digests
 from kvray.index.stream import IndexChange
 from kvray.naming import lookup_name
 from kvray.remote import LookupHandle, ManagerHandle, ManagerLink
-from kvray.store.channel import ChannelClient
+from kvray.store.channel import ChannelLink
 from kvray.warn_once import WarnOnce
 
 logger = logging.getLogger(__name__)
@@ -123,9 +123,8 @@ class IndexPublisher:
         self._hub_ready = asyncio.Event()
         self._keeper: LookupHandle | None = None
         self._keeper_retry_at = 0.0
-        self._channel: ChannelClient | None = None
-        """The keeper's node channel (None: not connected yet, or down: Ray calls)."""
-        self._channel_asked_at = -KEEPER_RETRY_S
+        self._link: ChannelLink | None = None
+        """The keeper's node channel (while it is down: Ray calls)."""
         self._channel_lock = asyncio.Lock()
         """One change in flight on the channel at a time (one waiter reads its answers)."""
         self._warn = WarnOnce(logger)
@@ -160,7 +159,8 @@ class IndexPublisher:
         than a lookup waits for a save in flight). Asked by the node's Lookup actor as a
         scheduler attaches."""
         self._keeper_retry_at = 0.0
-        self._channel_asked_at = -KEEPER_RETRY_S
+        if self._link is not None:
+            self._link.ask_now()
         keeper = await self._find_keeper()
         if keeper is not None:
             try:
@@ -193,18 +193,18 @@ class IndexPublisher:
         """The keeper did not take a change: look for it (and its channel) again after a
         pause."""
         self._keeper, self._keeper_retry_at = None, time.monotonic() + KEEPER_RETRY_S
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     async def _by_channel(self, keeper: LookupHandle, changes: list[IndexChange]) -> bool:
         """Hand ``changes`` to the keeper on its node channel; False when the channel is
         not up (then the caller sends them as a Ray call). A channel that broke (the
         keeper restarted) is asked for again after :data:`KEEPER_RETRY_S`."""
         async with self._channel_lock:
-            channel = self._channel
-            if channel is None or channel.broken is not None or channel.peer_closed():
-                channel = self._channel = await self._connect_channel(keeper)
+            if self._link is None:
+                self._link = ChannelLink(keeper.channel, f"{keeper.name} (index)", KEEPER_RETRY_S)
+            channel = await self._link.alive(self._config.call_timeout_s)
             if channel is None:
                 return False
             call = channel.call("index_apply", (changes,), f"{self._who} index_apply")
@@ -214,23 +214,8 @@ class IndexPublisher:
             except KVRayError:
                 if channel.broken is None:
                     raise  # the keeper answered with a failure, or not in time
-                self._channel = None
-                channel.close()
                 return False  # the channel broke: the caller's Ray call says the rest
             return True
-
-    async def _connect_channel(self, keeper: LookupHandle) -> ChannelClient | None:
-        if time.monotonic() - self._channel_asked_at < KEEPER_RETRY_S:
-            return None
-        self._channel_asked_at = time.monotonic()
-        try:
-            address = await keeper.channel().aresult(self._config.call_timeout_s)
-            name = f"{keeper.name} (index)"
-            return await asyncio.to_thread(ChannelClient, address, name)
-        except KVRayError as exc:
-            self._warn("channel", "kvray %s: no node channel to this node's block-index keeper "
-                       "(%s); its changes go as Ray calls", self._who, exc)  # fmt: skip
-            return None
 
     async def _find_keeper(self) -> LookupHandle | None:
         if self._keeper is None and time.monotonic() >= self._keeper_retry_at:

@@ -232,6 +232,8 @@ def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pau
             raise KVRayError("no node channel here")
 
     class Keeper:
+        name = "Lookup@node-1"
+
         def index_apply(self, changes: list[IndexChange]) -> Done:
             calls.append(changes)
             return Done()
@@ -317,7 +319,7 @@ def test_a_publisher_hands_its_changes_over_the_keepers_node_channel_and_ray_whe
         assert len(by_ray) == 2
         keeper.server = ChannelServer("test-keeper", {"index_apply": apply})
         await keeper.server.start()
-        pub._channel_asked_at -= index_publisher.KEEPER_RETRY_S  # the pause is over
+        pub._link.ask_now()  # type: ignore[union-attr]  # the pause is over
         await pub.publish([change(OP_ADD, keys(1))])
         assert len(by_channel) == 3 and len(by_ray) == 2
         await keeper.server.close()

@@ -94,10 +94,9 @@ class Decision:
     measured yet, so loaded)."""
 
     load: bool
+    """(True also for the tier's :data:`PROBE_EVERY`-th refusal in a row: measured
+    slower, loaded to measure the tier again.)"""
     estimate: Estimate | None
-    probe: bool = False
-    """Loaded although measured slower: the tier's :data:`PROBE_EVERY`-th refusal in a
-    row, taken to measure the tier again."""
 
 
 @dataclass
@@ -157,7 +156,7 @@ class Worth:
         self._refused[tier] += 1
         if self._refused[tier] >= PROBE_EVERY:
             self._refused[tier] = 0
-            return Decision(True, estimate, probe=True)
+            return Decision(True, estimate)
         return Decision(False, estimate)
 
     def load_ms(self, dram: int, ssd: int) -> float | None:

@@ -457,7 +457,7 @@ class ChannelLink:
         try:
             return self.connect(asking.result(0))
         except KVRayError as exc:
-            self._lost(exc)
+            self.lost(exc)
             return None
 
     async def alive(self, timeout_s: float) -> ChannelClient | None:
@@ -470,7 +470,7 @@ class ChannelLink:
             address = await self._ask().aresult(timeout_s)
             return await asyncio.to_thread(self.connect, address)
         except KVRayError as exc:
-            self._lost(exc)
+            self.lost(exc)
             return None
 
     def _due(self) -> bool:
@@ -479,7 +479,8 @@ class ChannelLink:
         self._asked_at = time.monotonic()
         return True
 
-    def _lost(self, exc: KVRayError) -> None:
+    def lost(self, exc: KVRayError) -> None:
+        """Connecting failed (``exc``): warned the first time since the last connect."""
         if not self._failed:
             self._failed = True
             logger.warning("%s: no node channel (%s); its calls go through Ray", self.name, exc)
@@ -514,7 +515,7 @@ class ChannelStore:
         try:
             self._link.connect(self.handle.channel().result(self._timeout_s))
         except KVRayError as exc:
-            logger.warning("%s: transfers go through Ray: %s", self.handle.name, exc)
+            self._link.lost(exc)
 
     @property
     def attached(self) -> bool:

@@ -300,7 +300,7 @@ class KVRayScheduler:
         # (a PD decode loads what its prefill computed for it, whatever the rates)
         estimate = None
         if hit and not pending.want:
-            decision = self._worth_loading(hit, min(answer.ssd, hit))
+            decision = self._decide_load(hit, min(answer.ssd, hit))
             estimate = decision.estimate
             if not decision.load:
                 refused, hit = hit, 0
@@ -341,7 +341,7 @@ class KVRayScheduler:
             return 0, False
         return external, self.info.config.load_async
 
-    def _worth_loading(self, blocks: int, ssd: int) -> Decision:
+    def _decide_load(self, blocks: int, ssd: int) -> Decision:
         """Load the hit, or compute it: measured to load slower than computing its
         tokens, a hit is computed (``recompute_slow_hits``; :mod:`kvray.connector.worth`)."""
         if not self.info.config.recompute_slow_hits:

@@ -129,11 +129,6 @@ class Worth:
 
     # ---- the decision --------------------------------------------------------------------
 
-    def worth_loading(self, blocks: int, ssd: int, block_size: int) -> bool:
-        """Whether to load a hit of ``blocks`` blocks (``ssd`` of them only on the SSD
-        tier) rather than compute their tokens. True while either side is not measured."""
-        return self.decide(blocks, ssd, block_size).load
-
     def estimate(self, blocks: int, ssd: int, block_size: int) -> Estimate | None:
         """What loading a hit of ``blocks`` blocks (``ssd`` of them only on the SSD tier)
         and computing its tokens are measured to cost, or None while either side is not
@@ -145,7 +140,9 @@ class Worth:
         return Estimate(load_ms, compute[1] * blocks * block_size)
 
     def decide(self, blocks: int, ssd: int, block_size: int) -> Decision:
-        """:meth:`worth_loading`, with the estimate it was decided from."""
+        """Whether to load a hit of ``blocks`` blocks (``ssd`` of them only on the SSD
+        tier) rather than compute their tokens (loaded while either side is not
+        measured), with the estimate it was decided from."""
         tier = "ssd" if ssd else "dram"
         estimate = self.estimate(blocks, ssd, block_size)
         if estimate is None:

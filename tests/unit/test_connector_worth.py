@@ -42,10 +42,10 @@ def slow_loads(w: Worth) -> None:
 def test_a_tier_refused_in_a_row_is_measured_again():
     w = Worth()
     slow_loads(w)
-    assert [w.worth_loading(4, 0, BS) for _ in range(PROBE_EVERY)] == [False] * (
-        PROBE_EVERY - 1
-    ) + [True]
-    assert not w.worth_loading(4, 0, BS)
+    assert [w.decide(4, 0, BS).load for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [
+        True
+    ]
+    assert not w.decide(4, 0, BS).load
 
 
 def test_a_step_whose_loads_failed_is_no_load_sample():

@@ -85,12 +85,13 @@ class EvictionSweep:
         """The oldest keys to ask about now: as many as the server evicted since the last
         pass, four times over (it evicts across every client's keys), at least 256 and
         at most :data:`SWEEP_MAX`; :data:`SWEEP_BLIND` when the counter is unknown; none
-        when it did not move."""
+        when it did not move. The first counter seen counts from 0: the keys stored
+        before it was read may be among what it counts."""
         now = self.seen_evicted
         if now is None:
             n = SWEEP_BLIND
         else:
-            moved = now - (self._evicted if self._evicted is not None else now)
+            moved = now - (self._evicted if self._evicted is not None else 0)
             self._evicted = now
             if moved <= 0:
                 return []

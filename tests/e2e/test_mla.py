@@ -70,6 +70,7 @@ def pool2(ray_cluster):  # type: ignore[no-untyped-def]
     p.shutdown()
 
 
+@pytest.mark.timeout(600)  # two-worker engines start in minutes on a loaded 2-core host
 def test_tp2_stores_one_copy_of_the_latent_and_every_rank_loads_it(
     pool2, engines, ray_cluster, tiny_mla, mla_block, request, tmp_path
 ):

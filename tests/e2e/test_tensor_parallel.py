@@ -73,6 +73,7 @@ def test_tp2_staged_loads_what_tp2_shared_stored(
     assert [r.stats.get_keys for r in ranks] == [6, 6]
 
 
+@pytest.mark.timeout(600)  # two engines of two workers each, one after the other
 def test_tp2_hybrid_model_ranks_store_and_load_every_group(
     pool2, ray_cluster, tiny_gemma3, tmp_path
 ):

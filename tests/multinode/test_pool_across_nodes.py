@@ -77,6 +77,7 @@ def test_a_loopback_server_is_refused_at_attach_on_another_node(two_nodes):
         two_nodes.run("A", "down", "mlo", check=False)
 
 
+@pytest.mark.timeout(600)  # a node killed, noticed by Ray, restarted: ~65 s when idle
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_node_loss(two_nodes, replicas):
     """Node B dies (every process of it SIGKILLed). Node A keeps serving: a block whose

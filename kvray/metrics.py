@@ -51,6 +51,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "ssd_get_bytes": ("kvray_ssd_get_bytes", "Bytes the SSD tier served"),
     "ssd_evictions": ("kvray_ssd_evicted_blocks", "Blocks the SSD tier evicted"),
     "ssd_corrupt": ("kvray_ssd_corrupt_blocks", "SSD blocks that failed their checksum"),
+    "evictions_found": (
+        "kvray_evictions_found_blocks",
+        "Blocks a client stored that its eviction sweep found evicted",
+    ),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "regions": ("kvray_regions", "Shared regions mapped by a client"),

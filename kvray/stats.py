@@ -46,6 +46,9 @@ class RankStats:
     ssd_used_bytes: int = 0
     ssd_evictions: int = 0
     ssd_corrupt: int = 0
+    evictions_found: int = 0
+    """DRAM blocks this client stored that its eviction sweep found evicted (published
+    gone: a lookup misses them as ``evicted``; kvray/store/index_publisher.py)."""
     miss_not_stored: int = 0
     """Looked-up blocks missed, by reason (kvray.misses): counted by the Lookup actors."""
     miss_evicted: int = 0

@@ -164,7 +164,8 @@ class PoolStatus:
                 f"memory (master): {format_size(int(sv.get('master_allocated_bytes', 0)))} "
                 f"used of {format_size(int(sv['master_total_capacity_bytes']))}, "
                 f"{int(sv.get('master_key_count', 0))} keys, "
-                f"{int(sv.get('master_evicted_key_count', 0))} evicted"
+                f"{int(sv.get('master_evicted_key_count', 0))} evicted "
+                f"({self.total.evictions_found} of them found by the clients' sweeps)"
             )
         misses = {r: n for r, n in self.total.misses().items() if n}
         if misses:

@@ -184,6 +184,8 @@ def test_events_follow_the_masters_own_evictions(ray_cluster):
             held = _whole(pool, space, hashes)
             assert 0 < len(held) < n, f"{len(held)} of {n} blocks left after the eviction"
             assert sub.blocks[("CPU", cfg.name)] == held
+            found = sum(r.stats.evictions_found for r in pool.stats().ranks)
+            assert found == n - len(held), f"the sweep counted {found} evicted"
         finally:
             sub.close()
         pool.shutdown()

@@ -111,7 +111,7 @@ class BackendClientActor:
                 logger.warning("eviction sweep of %d keys failed: %s", len(keys), exc)
                 continue
             gone = sweep.checked(keys, present)
-            self._tiers.dram.stats.evictions_found += len(gone)
+            self._tiers.dram.stats.evictions_found = sweep.found_gone
             if gone:
                 await self._publish([(OP_GONE, False, gone)])
 

@@ -25,6 +25,7 @@ LABELS = {
     "hmaoff": "kvray, hybrid allocator off",
     "nice10": "kvray, saves at niceness 10",
     "lazyseg": "kvray, segment mapped as stores write it",
+    "nosave": "kvray, loads only (stores nothing)",
 }
 """bench_ttft.py's configurations, as the tables name them."""
 

@@ -111,7 +111,7 @@ from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
 CONFIGS = (
     "full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor", "hmaoff",
-    "nice10", "lazyseg",
+    "nice10", "lazyseg", "nosave",
 )  # fmt: skip
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
@@ -127,6 +127,7 @@ LABELS = {
     "hmaoff": "kvray-hma-off",
     "nice10": "kvray-saves-nice-10",
     "lazyseg": "kvray-lazy-segment",
+    "nosave": "kvray-loads-only",
 }
 PAIRS = (
     ("index", "kvray"),
@@ -139,6 +140,8 @@ PAIRS = (
     ("peer", "full"),
     ("nice10", "full"),
     ("kvray", "lazyseg"),
+    ("nosave", "full"),
+    ("kvray", "nosave"),
 )
 """The paired differences printed, where both configurations ran (kvray - full on the
 0 % rows: what a miss costs over an engine with no connector; kvray - peer and peer -
@@ -210,7 +213,7 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if states:
         spec["dtype"] = "bfloat16"  # (vLLM's CPU GDN kernel needs it)
-    if name in ("kvray", "staged", "raycall") or name in OWN_POOLS:
+    if name in ("kvray", "staged", "raycall", "nosave") or name in OWN_POOLS:
         spec["prefix_caching"] = states
         extra = {
             "pool_name": OWN_POOLS[name][0] if name in OWN_POOLS else "bench",
@@ -221,6 +224,9 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         }
         if name == "raycall":
             extra["transfer_channel"] = "ray"
+        if name == "nosave":  # (a PD consumer's role: it looks up and loads, stores nothing)
+            spec["kv_transfer_config"] = {**kvray_transfer_config(extra), "kv_role": "kv_consumer"}
+            return spec
         if name == "hmaoff":  # vLLM's hybrid allocator off: one group, sliding layers whole
             spec["hma"] = False
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
@@ -251,6 +257,8 @@ def main() -> int:
     lengths, rates = workload(parser, args, misses=True)
     if args.family in STATE_FAMILIES and {"hmaoff", "peer"} & set(configs):
         parser.error(f"--family {args.family}: hmaoff and peer do not run state groups here")
+    if "nosave" in configs and any(r > 0 for r in rates):
+        parser.error("--configs nosave stores nothing, so its probes cannot hit: use --rates 0")
     if args.family in STATE_FAMILIES and configs == ["full"]:
         parser.error(f"--family {args.family}: --configs needs a caching configuration")
 

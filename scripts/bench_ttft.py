@@ -224,12 +224,11 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         }
         if name == "raycall":
             extra["transfer_channel"] = "ray"
-        if name == "nosave":  # (a PD consumer's role: it looks up and loads, stores nothing)
-            spec["kv_transfer_config"] = {**kvray_transfer_config(extra), "kv_role": "kv_consumer"}
-            return spec
         if name == "hmaoff":  # vLLM's hybrid allocator off: one group, sliding layers whole
             spec["hma"] = False
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
+        if name == "nosave":  # (a PD consumer's role: it looks up and loads, stores nothing)
+            spec["kv_transfer_config"]["kv_role"] = "kv_consumer"
     elif name == "peer":
         spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG
     return spec

@@ -29,6 +29,10 @@ own process, up for the whole run):
 - ``raycall`` (``--configs ...,raycall``): ``kvray`` with ``transfer_channel: ray``, every
   load and save a Ray actor call as before the node channel (kvray - ray-calls per row:
   what the channel saves).
+- ``nosave`` (``--configs ...,nosave --rates 0``): ``kvray`` as a PD consumer
+  (``kv_role: kv_consumer``), which looks up and loads but stores nothing: on rows
+  without hits, nosave - full is what the connector costs a miss apart from its saves,
+  and kvray - nosave what the saves cost it.
 
 Paired differences (median over reps of per-rep differences, 95 % interval) are printed
 for each of index - kvray, kvray - actor-lookups, kvray - ray-calls, kvray - ideal,

@@ -110,6 +110,17 @@ def small_config(master_address: str | None, **overrides):
     return PoolConfig.from_dict(data, environ={})
 
 
+def users_lease() -> dict[str, int]:
+    """A ``master`` section with the users' default read lease, for a test of an embedded
+    Mooncake master that reads blocks back and is not about leases: the suite's 200 ms can
+    run out while a get on a loaded machine copies (seen across clients, and in a full
+    pool), and Mooncake then fails the read (LEASE_EXPIRED: transfer_failed, never the
+    bytes)."""
+    from kvray.config import MooncakeMasterConfig
+
+    return {"default_kv_lease_ttl_ms": MooncakeMasterConfig().default_kv_lease_ttl_ms}
+
+
 def ssd_pool_config(tmp_path, name: str, **over):  # type: ignore[no-untyped-def]
     """A 1-rank pool of a 16 MB Mooncake DRAM tier over a 256 MB SSD tier in ``tmp_path``
     (``over``: other fields; a dict is merged into the section)."""

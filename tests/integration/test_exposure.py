@@ -17,7 +17,7 @@ import ray
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes
 from kvray.naming import manager_name
 
-from .conftest import small_config
+from .conftest import small_config, users_lease
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,10 @@ def test_a_running_pool_listens_on_loopback_but_mooncakes_data_port(ray_cluster,
     from kvray import Pool
 
     before = _listening()
-    cfg = small_config(None, backend=backend)  # no address: kvray runs the server itself
+    # No address: kvray runs the server itself. Rank 1 reads what rank 0's segment holds,
+    # under the users' read lease.
+    lease = {"master": users_lease()} if backend == "mooncake" else {}
+    cfg = small_config(None, backend=backend, **lease)
     pool = Pool.start(cfg)
     try:
         keys = [f"exposure-{i}" for i in range(4)]

@@ -11,7 +11,6 @@ import pytest
 import ray
 
 from kvray import Pool
-from kvray.config import MooncakeMasterConfig
 from kvray.errors import (
     BackendUnavailableError,
     PoolConflictError,
@@ -23,7 +22,7 @@ from kvray.naming import manager_name, region_prefix
 from kvray.servers.process import free_port
 from kvray.shm import mapped_regions
 
-from .conftest import pool_actor_names, small_config
+from .conftest import pool_actor_names, small_config, users_lease
 
 pytestmark = pytest.mark.integration
 
@@ -87,15 +86,11 @@ def test_unreachable_master_fails_fast_and_clearly(ray_cluster):
 
 
 def test_full_pool_stores_whole_blocks_or_nothing(ray_cluster):
-    # Its own embedded master: the pool's capacity is exactly one 16 MB segment. The read
-    # lease is the users' default: the suite's 200 ms can run out while a get on a loaded
-    # machine copies, and Mooncake then fails the read (LEASE_EXPIRED: transfer_failed,
-    # never the bytes), which is neither outcome this test is about.
-    lease = MooncakeMasterConfig().default_kv_lease_ttl_ms
+    # Its own embedded master: the pool's capacity is exactly one 16 MB segment; the
+    # users' read lease (a failed read is neither outcome this test is about).
     cfg = small_config(
-        None, world_size=1, mooncake={"global_segment_size": "16MB"},
-        master={"default_kv_lease_ttl_ms": lease},
-    )  # fmt: skip
+        None, world_size=1, mooncake={"global_segment_size": "16MB"}, master=users_lease()
+    )
     pool = Pool.start(cfg)
     try:
         rng = np.random.default_rng(0)

@@ -24,6 +24,7 @@ LABELS = {
     "actor": "kvray, Lookup actor",
     "hmaoff": "kvray, hybrid allocator off",
     "nice10": "kvray, saves at niceness 10",
+    "nice0": "kvray, saves at niceness 0",
     "lazyseg": "kvray, segment mapped as stores write it",
     "nosave": "kvray, loads only (stores nothing)",
 }

@@ -29,6 +29,9 @@ own process, up for the whole run):
 - ``raycall`` (``--configs ...,raycall``): ``kvray`` with ``transfer_channel: ray``, every
   load and save a Ray actor call as before the node channel (kvray - ray-calls per row:
   what the channel saves).
+- ``nice0`` (``--configs ...,nice0``): ``kvray`` on a pool with ``save_niceness: 0``, its
+  stores (Mooncake's copy thread included) at the engine's priority: kvray - nice0 is what
+  the default's yielding stores save (``nice10``: at 10).
 - ``nosave`` (``--configs ...,nosave --rates 0``): ``kvray`` as a PD consumer
   (``kv_role: kv_consumer``), which looks up and loads but stores nothing: on rows
   without hits, nosave - full is what the connector costs a miss apart from its saves,
@@ -115,7 +118,7 @@ from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
 CONFIGS = (
     "full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor", "hmaoff",
-    "nice10", "lazyseg", "nosave",
+    "nice10", "nice0", "lazyseg", "nosave",
 )  # fmt: skip
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
@@ -130,6 +133,7 @@ LABELS = {
     "actor": "actor-lookups",
     "hmaoff": "kvray-hma-off",
     "nice10": "kvray-saves-nice-10",
+    "nice0": "kvray-saves-nice-0",
     "lazyseg": "kvray-lazy-segment",
     "nosave": "kvray-loads-only",
 }
@@ -143,6 +147,8 @@ PAIRS = (
     ("kvray", "peer"),
     ("peer", "full"),
     ("nice10", "full"),
+    ("kvray", "nice0"),
+    ("nice0", "full"),
     ("kvray", "lazyseg"),
     ("nosave", "full"),
     ("kvray", "nosave"),
@@ -156,13 +162,15 @@ OWN_POOLS: dict[str, tuple[str, dict[str, Any]]] = {
     "actor": ("bench-actor", {"lookup_index": False}),
     "hmaoff": ("bench-hmaoff", {}),
     "nice10": ("bench-nice10", {"save_niceness": 10}),
+    "nice0": ("bench-nice0", {"save_niceness": 0}),
     "lazyseg": ("bench-lazyseg", {"mooncake": {"prefault_segment": False}}),
 }
 """Configurations that run kvray's engine on a pool of their own: its name and its
 settings over the defaults. nock: without block checksums (their cost: kvray / nock);
 index: lookup_index set (now the default); actor: lookups as calls to the Lookup actor;
-hmaoff: its own pool only (its blocks beside kvray's would evict the seeds'); nice10:
-save_niceness 10; lazyseg: the Mooncake segment mapped as stores write it."""
+hmaoff: its own pool only (its blocks beside kvray's would evict the seeds'); nice10 and
+nice0: save_niceness 10 and 0 (the default is 19); lazyseg: the Mooncake segment mapped
+as stores write it."""
 BLOCK = 128
 SMOKE = ["--lengths", "256", "--rates", "0,0.5", "--reps", "3", "--kv-cache-gb", "1",
          "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip

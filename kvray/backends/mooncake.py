@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from kvray.backends import copy_thread
 from kvray.backends.base import Backend, Check, KeyStatus, Pieces, Seal, groups
 from kvray.backends.blocking import BlockingCalls
 from kvray.backends.segment_warmer import SegmentWarmer, anonymous_ranges, new_ranges
@@ -140,6 +141,7 @@ class MooncakeBackend(Backend):
         store = MooncakeDistributedStore()
         started = time.monotonic()
         before = anonymous_ranges() if segment and config.prefault_segment else None
+        threads_before = copy_thread.threads()
         rc = store.setup(
             # kvray's node actors fill in their node's address; a client made directly
             # (tests, tools without Ray) advertises loopback.
@@ -165,6 +167,12 @@ class MooncakeBackend(Backend):
                 "check that the master runs and the protocol matches the hardware"
             )
         self._store = store
+        # (the threads setup started, before the warmer's: one of them copies)
+        self._copier = copy_thread.CopyThread(
+            f"mooncake client {store.get_hostname()}",
+            copy_thread.threads() - threads_before,
+            save_niceness,
+        )
         self._segment_bytes = segment
         self._segment_name = str(store.get_hostname())
         self._warmer: SegmentWarmer | None = None
@@ -244,8 +252,11 @@ class MooncakeBackend(Backend):
                 codes += fn(keys[a:b], *(col[a:b] for col in lists), self._replicate)
             return codes
 
-        slices = self._slices(len(keys), _total(sizes))
+        nbytes = _total(sizes)
+        mark = self._copier.before_store(nbytes)
+        slices = self._slices(len(keys), nbytes)
         parts = await asyncio.gather(*(self._call.background(write, lo, hi) for lo, hi in slices))
+        self._copier.after_store(mark)
         codes = [code for part in parts for code in part]
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]
@@ -276,9 +287,13 @@ class MooncakeBackend(Backend):
                 out += zip(codes, statuses, strict=True)
             return out
 
-        parts = await asyncio.gather(
-            *(self._call(read, lo, hi) for lo, hi in self._slices(len(keys), _total(sizes)))
-        )
+        self._copier.load_started()
+        try:
+            parts = await asyncio.gather(
+                *(self._call(read, lo, hi) for lo, hi in self._slices(len(keys), _total(sizes)))
+            )
+        finally:
+            self._copier.load_ended()
         results = [x for part in parts for x in part]
         _raise_if_unavailable("get", [code for code, _ in results], self._address)
         return [status for _, status in results]

@@ -112,12 +112,15 @@ class PoolConfig(_Strict):
     segment. The first copy goes to the writer's own segment."""
     io_threads: int = Field(4, ge=1, le=64)
     """Threads each BackendClient uses for the backend's blocking batch calls."""
-    save_niceness: int = Field(0, ge=0, le=19)
-    """Niceness of the threads that store blocks in each BackendClient (the backend's
-    puts, their checksums, the SSD tier's writes); loads and lookups keep niceness 0.
-    Above 0 an engine's forward on the same cores comes first; a repeat sent while its
-    saves are slowed waits longer for them. On a 2-core host, back to back, 10 made no
-    difference to a miss beyond the noise (docs/benchmarks.md): 0 is the default."""
+    save_niceness: int = Field(19, ge=0, le=19)
+    """Niceness of the work that stores blocks in each BackendClient: the backend's puts and
+    their checksums, the SSD tier's writes, and Mooncake's own copy thread while no load is
+    in flight (it copies a store's bytes into the segment and a load's out of it; a load
+    raises it to its own niceness until done). An engine's forward on the same cores comes
+    first; the stores run in its gaps. A repeat sent while its saves are slowed waits
+    longer for them. Lowering the copy thread's niceness again for a load needs
+    ``CAP_SYS_NICE`` (root has it); without it that thread keeps its own. 0 runs stores
+    beside the forward at its priority (docs/benchmarks.md measures both)."""
     checksum: bool = True
     """Every block stored in the backend carries an xxh3-64 of its key and bytes (an
     8-byte trailer written with it), checked on every load before the engine may use the

@@ -26,12 +26,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 4 << 20
-"""Stores smaller than this do not decide which thread copies (too little to tell)."""
+"""Bytes stored over one window that decides which thread copies (less is too little to
+tell): a window opens with a store and closes with the store that brings it this many."""
+WINDOW_S = 2.0
+"""A window older than this that has not stored enough is dropped, not counted as a try:
+other threads' own work over a long window would hide the copies."""
 MIN_CPU_NS = 1_000_000
 """The copy thread took at least this much CPU over a deciding store."""
 LEAD = 4
@@ -84,9 +89,8 @@ class CopyThread:
     """The client's copy thread among ``candidates`` (the threads its setup started), held
     at ``niceness`` while no load is in flight. All methods run on the event loop's thread.
 
-    Around each store of at least :data:`MIN_BYTES` until the thread is found:
-    ``mark = before_store()`` then ``after_store(mark)``. Around each load:
-    ``load_started()`` and ``load_ended()``."""
+    Around each store until the thread is found: ``before_store()`` and
+    ``after_store(nbytes)``. Around each load: ``load_started()`` and ``load_ended()``."""
 
     def __init__(self, what: str, candidates: set[int], niceness: int) -> None:
         self._what = what
@@ -97,6 +101,10 @@ class CopyThread:
         """The copy thread's niceness when found (a load's)."""
         self._loads = 0
         self._tries = 0
+        self._mark: dict[int, int] | None = None
+        """The candidates' run times when the open window opened."""
+        self._opened = 0.0
+        self._stored = 0
         self._searching = niceness > 0 and bool(candidates)
         if self._searching and not can_lower_niceness():
             self._searching = False
@@ -109,20 +117,34 @@ class CopyThread:
             )
 
     @property
+    def searching(self) -> bool:
+        """Whether stores are still timed to find the copy thread."""
+        return self._searching
+
+    @property
     def tid(self) -> int | None:
         """The copy thread's id once found."""
         return self._tid
 
-    def before_store(self, nbytes: int) -> dict[int, int] | None:
-        """The candidates' run times, while the copy thread is still to be found."""
-        if not self._searching or nbytes < MIN_BYTES:
-            return None
-        return run_ns(self._candidates)
+    def before_store(self) -> None:
+        """Open a window, while the copy thread is still to be found and none is open."""
+        if self._searching and self._mark is None:
+            self._mark = run_ns(self._candidates)
+            self._opened = time.monotonic()
+            self._stored = 0
 
-    def after_store(self, mark: dict[int, int] | None) -> None:
-        """Find the copy thread from what the store between ``mark`` and now ran."""
+    def after_store(self, nbytes: int) -> None:
+        """Count a store's bytes in the open window; once it holds :data:`MIN_BYTES`, find
+        the copy thread from what the window ran."""
+        mark = self._mark
         if mark is None or not self._searching:
             return
+        self._stored += nbytes
+        if self._stored < MIN_BYTES:
+            if time.monotonic() - self._opened > WINDOW_S:
+                self._mark = None
+            return
+        self._mark = None
         now = run_ns(mark)
         deltas = sorted(((now[t] - mark[t], t) for t in now), reverse=True)
         self._tries += 1
@@ -134,7 +156,7 @@ class CopyThread:
         if self._tries >= TRIES:
             self._searching = False
             logger.info(
-                "%s: no single thread did its stores' copies over %d stores; save_niceness "
+                "%s: no single thread did its stores' copies over %d windows; save_niceness "
                 "applies to kvray's store threads only",
                 self._what,
                 TRIES,

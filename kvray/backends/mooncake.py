@@ -253,10 +253,10 @@ class MooncakeBackend(Backend):
             return codes
 
         nbytes = _total(sizes)
-        mark = self._copier.before_store(nbytes)
+        self._copier.before_store()
         slices = self._slices(len(keys), nbytes)
         parts = await asyncio.gather(*(self._call.background(write, lo, hi) for lo, hi in slices))
-        self._copier.after_store(mark)
+        self._copier.after_store(nbytes)
         codes = [code for part in parts for code in part]
         _raise_if_unavailable("put", codes, self._address)
         return [status_of(c) for c in codes]

@@ -45,8 +45,12 @@ def test_the_thread_that_copied_is_held_nicer_except_during_loads(idle_threads, 
     ms = 1_000_000
     _runs(monkeypatch, [{a: 0, b: 0, c: 0}, {a: 9 * ms, b: 1 * ms, c: 0}])
     copier = CopyThread("test client", set(idle_threads), 19)
-    copier.after_store(copier.before_store(8 << 20))
-    assert copier.tid == a
+    copier.before_store()
+    copier.after_store(3 << 20)  # (not enough to tell yet: the window stays open)
+    assert copier.tid is None and copier.searching
+    copier.before_store()
+    copier.after_store(1 << 20)
+    assert copier.tid == a and not copier.searching
     assert os.getpriority(os.PRIO_PROCESS, a) == 19
     assert os.getpriority(os.PRIO_PROCESS, b) == 0
     copier.load_started()
@@ -62,9 +66,9 @@ def test_a_load_in_flight_when_found_keeps_the_thread_at_its_own(idle_threads, m
     a, b, c = idle_threads
     _runs(monkeypatch, [{a: 0, b: 0, c: 0}, {a: 5_000_000, b: 0, c: 0}])
     copier = CopyThread("test client", set(idle_threads), 10)
-    mark = copier.before_store(8 << 20)
+    copier.before_store()
     copier.load_started()
-    copier.after_store(mark)
+    copier.after_store(8 << 20)
     assert copier.tid == a and os.getpriority(os.PRIO_PROCESS, a) == 0
     copier.load_ended()
     assert os.getpriority(os.PRIO_PROCESS, a) == 10
@@ -76,19 +80,32 @@ def test_no_clear_copier_decides_nothing_and_the_search_ends(idle_threads, monke
     even = [{a: 0, b: 0, c: 0}, {a: 3_000_000, b: 2_000_000, c: 0}] * copy_thread.TRIES
     _runs(monkeypatch, even)
     copier = CopyThread("test client", set(idle_threads), 19)
-    assert copier.before_store(1 << 20) is None  # (too small to tell)
     with caplog.at_level("INFO", logger="kvray.backends.copy_thread"):
         for _ in range(copy_thread.TRIES):
-            copier.after_store(copier.before_store(8 << 20))
-    assert copier.tid is None
-    assert copier.before_store(8 << 20) is None
-    assert "no single thread did its stores' copies" in caplog.text
+            copier.before_store()
+            copier.after_store(8 << 20)
+    assert copier.tid is None and not copier.searching
+    assert "no single thread did its stores' copies over" in caplog.text
     assert {os.getpriority(os.PRIO_PROCESS, t) for t in idle_threads} == {0}
+
+
+def test_a_window_that_stores_too_little_too_slowly_is_dropped(idle_threads, monkeypatch):
+    a, b, c = idle_threads
+    # the first window's marks are never read again: the second decides
+    _runs(monkeypatch, [{a: 0, b: 0, c: 0}, {a: 100, b: 0, c: 0}, {a: 3_000_000, b: 0, c: 0}])
+    clock = iter([0.0, 10.0, 20.0, 20.1])
+    monkeypatch.setattr(copy_thread.time, "monotonic", lambda: next(clock))
+    copier = CopyThread("test client", set(idle_threads), 19)
+    copier.before_store()
+    copier.after_store(1 << 20)  # (ten seconds for 1 MiB: dropped)
+    copier.before_store()
+    copier.after_store(8 << 20)
+    assert copier.tid == a
 
 
 def test_niceness_0_never_searches(idle_threads):
     copier = CopyThread("test client", set(idle_threads), 0)
-    assert copier.before_store(64 << 20) is None
+    assert not copier.searching
 
 
 def test_without_the_right_to_lower_a_niceness_the_thread_keeps_its_own(
@@ -97,7 +114,7 @@ def test_without_the_right_to_lower_a_niceness_the_thread_keeps_its_own(
     monkeypatch.setattr(copy_thread, "can_lower_niceness", lambda: False)
     with caplog.at_level("INFO", logger="kvray.backends.copy_thread"):
         copier = CopyThread("test client", set(idle_threads), 19)
-    assert copier.before_store(64 << 20) is None
+    assert not copier.searching
     assert "no CAP_SYS_NICE" in caplog.text
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def _client(master, save_niceness: int):  # type: ignore[no-untyped-def]
     from kvray.backends.mooncake import MooncakeBackend
 
-    cfg = MooncakeConfig(global_segment_size=64 << 20, local_buffer_size=16 << 20, protocol="tcp")
+    cfg = MooncakeConfig(global_segment_size=128 << 20, local_buffer_size=16 << 20, protocol="tcp")
     return MooncakeBackend(cfg, master.address, io_threads=2, save_niceness=save_niceness)
 
 
@@ -29,7 +29,7 @@ def test_a_stores_copy_yields_and_a_loads_does_not(mooncake_master):
     client = _client(mooncake_master, save_niceness=19)
 
     async def main() -> None:
-        src = blocks(16, 512 << 10, seed=1)  # 8 MiB: enough to tell which thread copies
+        src = blocks(64, 512 << 10, seed=1)  # 32 MiB: enough to tell which thread copies
         keys = [f"copy-prio-{i}" for i in range(len(src))]
         ptrs, sizes = addr(src)
         await client.register_region(src.ctypes.data, src.nbytes)
@@ -40,7 +40,7 @@ def test_a_stores_copy_yields_and_a_loads_does_not(mooncake_master):
         assert os.getpriority(os.PRIO_PROCESS, tid) == 19
 
         # the thread found is the one that copies: a second store runs on it
-        more = blocks(16, 512 << 10, seed=2)
+        more = blocks(64, 512 << 10, seed=2)
         await client.register_region(more.ctypes.data, more.nbytes)
         before = copy_thread.run_ns([tid])[tid]
         mptrs, msizes = addr(more)
@@ -73,7 +73,7 @@ def test_niceness_0_leaves_the_copy_thread_alone(mooncake_master):
     client = _client(mooncake_master, save_niceness=0)
 
     async def main() -> None:
-        src = blocks(16, 512 << 10, seed=3)
+        src = blocks(64, 512 << 10, seed=3)
         keys = [f"copy-prio-zero-{i}" for i in range(len(src))]
         await client.register_region(src.ctypes.data, src.nbytes)
         assert await client.put(keys, *addr(src)) == [KeyStatus.OK] * len(keys)

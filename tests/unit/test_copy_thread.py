@@ -46,10 +46,10 @@ def test_the_thread_that_copied_is_held_nicer_except_during_loads(idle_threads, 
     _runs(monkeypatch, [{a: 0, b: 0, c: 0}, {a: 9 * ms, b: 1 * ms, c: 0}])
     copier = CopyThread("test client", set(idle_threads), 19)
     copier.before_store()
-    copier.after_store(3 << 20)  # (not enough to tell yet: the window stays open)
+    copier.after_store(24 << 20)  # (not enough to tell yet: the window stays open)
     assert copier.tid is None and copier.searching
     copier.before_store()
-    copier.after_store(1 << 20)
+    copier.after_store(8 << 20)
     assert copier.tid == a and not copier.searching
     assert os.getpriority(os.PRIO_PROCESS, a) == 19
     assert os.getpriority(os.PRIO_PROCESS, b) == 0
@@ -68,7 +68,7 @@ def test_a_load_in_flight_when_found_keeps_the_thread_at_its_own(idle_threads, m
     copier = CopyThread("test client", set(idle_threads), 10)
     copier.before_store()
     copier.load_started()
-    copier.after_store(8 << 20)
+    copier.after_store(32 << 20)
     assert copier.tid == a and os.getpriority(os.PRIO_PROCESS, a) == 0
     copier.load_ended()
     assert os.getpriority(os.PRIO_PROCESS, a) == 10
@@ -83,7 +83,7 @@ def test_no_clear_copier_decides_nothing_and_the_search_ends(idle_threads, monke
     with caplog.at_level("INFO", logger="kvray.backends.copy_thread"):
         for _ in range(copy_thread.TRIES):
             copier.before_store()
-            copier.after_store(8 << 20)
+            copier.after_store(32 << 20)
     assert copier.tid is None and not copier.searching
     assert "no single thread did its stores' copies over" in caplog.text
     assert {os.getpriority(os.PRIO_PROCESS, t) for t in idle_threads} == {0}
@@ -99,7 +99,7 @@ def test_a_window_that_stores_too_little_too_slowly_is_dropped(idle_threads, mon
     copier.before_store()
     copier.after_store(1 << 20)  # (ten seconds for 1 MiB: dropped)
     copier.before_store()
-    copier.after_store(8 << 20)
+    copier.after_store(32 << 20)
     assert copier.tid == a
 
 

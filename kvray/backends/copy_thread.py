@@ -123,6 +123,11 @@ class CopyThread:
         return self._searching
 
     @property
+    def candidates(self) -> frozenset[int]:
+        """The threads the client's setup started."""
+        return frozenset(self._candidates)
+
+    @property
     def tid(self) -> int | None:
         """The copy thread's id once found."""
         return self._tid

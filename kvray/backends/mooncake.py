@@ -327,6 +327,8 @@ class MooncakeBackend(Backend):
             "segment_bytes": self._segment_bytes,
             # (mapped ahead of stores so far: prefault_segment)
             "segment_mapped_bytes": self._warmer.mapped if self._warmer else None,
+            # (held at save_niceness while no load is in flight; None: not found or not held)
+            "copy_thread": self._copier.tid,
             "master": self._address,
             "protocol": self._config.protocol,
             "ssd_offload_path": self._config.ssd_offload_path

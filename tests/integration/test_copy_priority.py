@@ -39,6 +39,7 @@ def test_a_stores_copy_yields_and_a_loads_does_not(mooncake_master):
         assert tid is not None, "the store's copy thread was not found"
         assert tid != os.getpid()
         assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+        assert client.info()["copy_thread"] == tid
 
         # the thread found is the one that copies: a second store runs on it
         more = blocks(64, 512 << 10, seed=2)
@@ -79,7 +80,7 @@ def test_niceness_0_leaves_the_copy_thread_alone(mooncake_master):
         keys = [f"copy-prio-zero-{i}" for i in range(len(src))]
         await client.register_region(src.ctypes.data, src.nbytes)
         assert await client.put(keys, *addr(src)) == [KeyStatus.OK] * len(keys)
-        assert client._copier.tid is None
+        assert client._copier.tid is None and client.info()["copy_thread"] is None
         reniced = []
         assert client._copier.candidates
         for tid in client._copier.candidates:  # (the threads Mooncake's setup started)

@@ -95,7 +95,7 @@ class CopyThread:
 
     def __init__(self, what: str, candidates: set[int], niceness: int) -> None:
         self._what = what
-        self._candidates = set(candidates)
+        self._candidates = frozenset(candidates)
         self._niceness = niceness
         self._tid: int | None = None
         self._own = 0
@@ -125,7 +125,7 @@ class CopyThread:
     @property
     def candidates(self) -> frozenset[int]:
         """The threads the client's setup started."""
-        return frozenset(self._candidates)
+        return self._candidates
 
     @property
     def tid(self) -> int | None:

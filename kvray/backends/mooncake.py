@@ -167,14 +167,14 @@ class MooncakeBackend(Backend):
                 "check that the master runs and the protocol matches the hardware"
             )
         self._store = store
+        self._segment_bytes = segment
+        self._segment_name = str(store.get_hostname())
         # (the threads setup started, before the warmer's: one of them copies)
         self._copier = copy_thread.CopyThread(
-            f"mooncake client {store.get_hostname()}",
+            f"mooncake client {self._segment_name}",
             copy_thread.threads() - threads_before,
             save_niceness,
         )
-        self._segment_bytes = segment
-        self._segment_name = str(store.get_hostname())
         self._warmer: SegmentWarmer | None = None
         if before is not None:
             # (the largest new mappings, as much as the segment: not the local buffer)

@@ -56,18 +56,17 @@ def _niceness(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.timeout(180)
-def test_the_pools_actors_run_every_thread_at_niceness_zero(ray_cluster, mooncake_master):
+def test_the_pools_actors_run_no_thread_above_niceness_zero(ray_cluster, mooncake_master):
     """Ray starts workers at niceness 15, and on Linux a niceness is per thread: an actor
     that reniced only the thread running its constructor kept its event loop at 15, where
-    a busy engine starved it (its saves went unanswered for seconds)."""
+    a busy engine starved it (its saves went unanswered for seconds). (A Ray started at a
+    negative niceness leaves some of a worker's threads there: those stay.)"""
     from kvray import Pool
     from kvray.keys import KeySpace
     from kvray.naming import manager_name
 
     from .conftest import small_config
 
-    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
-        pytest.skip("this test runs at a niceness other than 0")
     cfg = small_config(mooncake_master.address, world_size=1)
     pool = Pool.start(cfg)
     try:
@@ -82,6 +81,6 @@ def test_the_pools_actors_run_every_thread_at_niceness_zero(ray_cluster, mooncak
         }
         for role, pid in pids.items():
             niceness = _niceness(pid)
-            assert niceness and set(niceness.values()) == {0}, (role, niceness)
+            assert niceness and max(niceness.values()) <= 0, (role, niceness)
     finally:
         pool.shutdown()

@@ -90,7 +90,7 @@ def _key_str(key: Key) -> str:
         or not key
         or len(key) > 4096
         or not key.isprintable()
-        or any(c.isspace() for c in key)
+        or " " in key  # (the one whitespace character str.isprintable() lets through)
     ):
         raise KeyFormatError(
             "a key must be a BlockKey or a printable string of 1-4096 characters "
@@ -233,7 +233,7 @@ class Pool:
         return raw.view(np.dtype(dtype)).reshape(shape)
 
     def _region_of(self, view: np.ndarray) -> tuple[SharedRegion, int] | None:
-        ptr = int(view.ctypes.data)
+        ptr: int = view.__array_interface__["data"][0]  # (view.ctypes builds an object per call)
         for region in self._regions:
             start = region.base_ptr
             if start <= ptr and ptr + view.nbytes <= start + region.spec.size:

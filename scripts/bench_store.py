@@ -22,7 +22,8 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
 - ``raw multi`` / ``raw multi xN`` / ``kvray multi``: the same bytes with each block in
   ``2 x --layers`` pieces laid out as vLLM's per-layer KV tensors hold them, the
   connector's real transfers (``kvray multi`` sends the very ``TransferBatch`` the
-  connector's worker sends to the rank's actor; raw: the multi-buffer batch calls);
+  connector's worker sends to the rank's actor, the way it sends it: over the node
+  channel, ``transfer_channel: node``; raw: the multi-buffer batch calls);
 - prefix lookup latency of ``blocks`` hashes through the Lookup actor, and read from the
   node's block index as a scheduler with ``lookup_index`` reads it, next to the Ray
   call floor and the same exists query in-process.
@@ -68,6 +69,7 @@ from kvray.index.block_index import DRAM, BlockIndex  # noqa: E402
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
 from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
+from kvray.store.channel import ChannelStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RoundTrip, log, parse, round_trips, timed, write_json  # noqa: E402
@@ -396,13 +398,23 @@ def main() -> int:
         ck_region, ck_out_region = region_spec(ck, ck_src), region_spec(ck, ck_out)
         ck_actor: StoreHandle = ck._loop.run(ck._actor(0))  # noqa: SLF001
 
+        # (the worker's transfers: over the node channel, Ray calls only while it is down)
+        channels = {
+            id(actor): ChannelStore(actor, 60.0),
+            id(ck_actor): ChannelStore(ck_actor, 60.0),
+        }
+        for channel in channels.values():
+            channel.attach()
+            assert channel.attached, "the BackendClient's node channel did not attach"
+
         def actor_call(op: str, spec: RegionSpec, on: StoreHandle = actor) -> None:
             """What the connector's worker sends per step: one TransferBatch of every
-            block's per-layer pieces to the rank's BackendClient actor (through its typed
-            handle, as the worker does)."""
+            block's per-layer pieces to the rank's BackendClient actor, on its node channel
+            (as the worker sends it)."""
             offs, lens = shapes["multi"]
             batch = TransferBatch(spec, tuple(keys), offs, lens)
-            call = on.put(batch, False) if op == "put" else on.get(batch)
+            store = channels[id(on)]
+            call = store.put(batch, False) if op == "put" else store.get(batch)
             statuses = call.result(None)
             assert all(st is KeyStatus.OK for st in statuses), f"kvray multi {op} failed"
 
@@ -484,6 +496,10 @@ def main() -> int:
             ),
         }  # fmt: skip
         times = round_trips(paths, args.reps, ("put", "get"))
+        sent_by_ray = sum(channel.ray_calls for channel in channels.values())
+        assert sent_by_ray == 0, f"{sent_by_ray} kvray multi transfers went through Ray"
+        for channel in channels.values():
+            channel.close()
         raw_clear()
 
         log(f"== prefix lookup of {blocks} blocks through the Lookup actor")

@@ -92,7 +92,7 @@ class BackendClientActor:
         while True:
             await asyncio.sleep(FLUSH_S)
             changes = self._tiers.take_changes()
-            if changes:
+            if len(changes):
                 await manager.call(partial(ManagerHandle.ledger_record, changes=changes))
 
     async def _sweep_evictions(self) -> None:

@@ -21,7 +21,7 @@ from kvray.config import PoolConfig
 from kvray.errors import BackendUnavailableError, ConfigError, KVRayError
 from kvray.index import prefix_match
 from kvray.index.kv_events import Described, KVEventsHub
-from kvray.index.ledger import Entries
+from kvray.index.ledger import Changes
 from kvray.index.long_poll import LongPoll
 from kvray.index.node_loss import DramClient, NodeLossWatch
 from kvray.index.prefix_match import PrefixMatch
@@ -343,14 +343,14 @@ class PoolManagerActor:
     async def reset_generation(self, keys: str, mine: int) -> int:
         return self._state.reset_generation(keys, mine)
 
-    async def ledger_record(self, changes: Entries) -> None:
+    async def ledger_record(self, changes: Changes) -> None:
         """A BackendClient's blocks stored and removed since its last report."""
         self._state.ledger.record(changes)
         self._ledger_poll.changed()
 
     async def ledger_since(
         self, seq: int, wait_s: float = 0.0
-    ) -> tuple[int, Entries, bool, list[str]]:
+    ) -> tuple[int, Changes, bool, list[str]]:
         """A Lookup actor's ledger update after ``seq``, long-polling: answered once the
         ledger has changes after ``seq`` (or must be sent whole) or ``wait_s`` passed.
         (Which keys instances hash differently, rare, comes with the next answer.)"""

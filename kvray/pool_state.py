@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvray.index.ledger import Entries, Ledger
+from kvray.index.ledger import Changes, Ledger
 
 if TYPE_CHECKING:
     from collections.abc import Collection
@@ -109,7 +109,7 @@ class PoolState:
         """The engines that attached, oldest first."""
         return sorted(self.engines.values(), key=lambda e: float(e["at"]))
 
-    def ledger_since(self, seq: int) -> tuple[int, Entries, bool, list[str]]:
+    def ledger_since(self, seq: int) -> tuple[int, Changes, bool, list[str]]:
         """A Lookup actor's update: the ledger's changes after ``seq`` (or all of it), and
         the ``namespace@layout`` that instances hashing blocks differently share."""
         new_seq, entries, full = self.ledger.since(seq)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvray.backends.base import KeyStatus
     from kvray.index.block_index import IndexSpec
     from kvray.index.kv_events import Described
-    from kvray.index.ledger import Entries
+    from kvray.index.ledger import Changes
     from kvray.index.lookup import Answer, Placement
     from kvray.index.prefix_match import PrefixMatch
     from kvray.index.stream import IndexChange, IndexUpdate
@@ -472,12 +472,12 @@ class ManagerHandle(Handle):
         """:meth:`kvray.pool_state.PoolState.reset_generation`."""
         return self._call("reset_generation", keys, mine)
 
-    def ledger_record(self, changes: Entries) -> Call[None]:
+    def ledger_record(self, changes: Changes) -> Call[None]:
         return self._call("ledger_record", changes)
 
     def ledger_since(
         self, seq: int, wait_s: float = 0.0
-    ) -> Call[tuple[int, Entries, bool, list[str]]]:
+    ) -> Call[tuple[int, Changes, bool, list[str]]]:
         """The ledger's changes after ``seq``, once there are any or ``wait_s`` passed."""
         return self._call("ledger_since", seq, wait_s)
 

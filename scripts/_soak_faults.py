@@ -283,7 +283,7 @@ class Faults:
         """True once the manager's ledger records every one of ``keys`` as stored at or
         after ``at`` (epoch seconds; reports reach it every ``ledger.FLUSH_S``)."""
         _, entries, _, _ = self._manager().ledger_since(-1).result(30)  # the whole record
-        latest = {d: (s, t) for d, s, t in entries}
+        latest = {d: (s, t) for d, s, t in entries.rows()}
         for k in keys:
             s, t = latest.get(block_digest(k), (Seen.NEVER, 0.0))
             if s != Seen.STORED or t < at:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvray.backends.base import KeyStatus
-from kvray.index.ledger import Entries, Seen, block_digest
+from kvray.index.ledger import Changes, Seen, block_digest
 from kvray.index.stream import OP_ADD, OP_GONE, OP_REMOVE
 from kvray.remote import StoreHandle
 from kvray.shm import RegionSpec
@@ -90,16 +90,16 @@ class TieredStore:
     def __init__(self, dram: RankStore, lower: LowerTier | None = None) -> None:
         self.dram = dram
         self.lower = lower
-        self._changes: Entries = []
+        self._changes: list[Changes] = []
 
     @property
     def stats(self) -> RankStats:
         return self.dram.stats
 
-    def take_changes(self) -> Entries:
-        """Blocks stored or removed since the last call (digest, what, time)."""
+    def take_changes(self) -> Changes:
+        """Blocks stored or removed since the last call."""
         changes, self._changes = self._changes, []
-        return changes
+        return Changes.join(changes)
 
     @staticmethod
     def _note_index(
@@ -117,12 +117,9 @@ class TieredStore:
             index.append((op, lower, picked))
 
     def _note(self, keys: Sequence[str], statuses: Sequence[KeyStatus], what: Seen) -> None:
-        now = time.time()
-        self._changes.extend(
-            (block_digest(k), int(what), now)
-            for k, s in zip(keys, statuses, strict=True)
-            if s is KeyStatus.OK
-        )
+        done = [block_digest(k) for k, s in zip(keys, statuses, strict=True) if s is KeyStatus.OK]
+        if done:
+            self._changes.append(Changes.of(done, what, time.time()))
 
     async def put(
         self, batch: TransferBatch, overwrite: bool = False, *, index: IndexKeys | None = None

@@ -133,7 +133,7 @@ def test_misses_are_named_from_the_pools_ledger():
     lookup count under that reason."""
     import asyncio
 
-    from kvray.index.ledger import Ledger, Seen, block_digest
+    from kvray.index.ledger import Changes, Ledger, Seen, block_digest
     from kvray.index.lookup import LookupService
     from kvray.keys import KeySpace
 
@@ -149,9 +149,13 @@ def test_misses_are_named_from_the_pools_ledger():
 
     assert ask() == (1, "not_stored", 0)
     # rank 1's key of block 1 is the one the ledger knows: the reason is per block
-    ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 1)[0]), Seen.STORED, 1.0)])
+    ledger.record(
+        Changes.of([block_digest(space.rank_key_strs(hashes[1:2], 1)[0])], Seen.STORED, 1.0)
+    )
     assert ask() == (1, "evicted", 0)
-    ledger.record([(block_digest(space.rank_key_strs(hashes[1:2], 0)[0]), Seen.REMOVED, 2.0)])
+    ledger.record(
+        Changes.of([block_digest(space.rank_key_strs(hashes[1:2], 0)[0])], Seen.REMOVED, 2.0)
+    )
     assert ask() == (1, "removed", 0)
     backend.keys.add(space.rank_key_strs(hashes[1:2], 0)[0])
     assert ask() == (1, "partial_ranks", 0)
@@ -169,19 +173,19 @@ def test_misses_are_named_from_the_pools_ledger():
 
 
 def test_ledger_followers_catch_up_and_forget_the_oldest():
-    from kvray.index.ledger import Ledger, Seen
+    from kvray.index.ledger import Changes, Ledger, Seen
 
     S, R = int(Seen.STORED), int(Seen.REMOVED)
     leader, follower = Ledger(capacity=4), Ledger(capacity=4)
-    leader.record([(1, S, 1.0), (2, S, 1.0), (3, S, 1.0)])
+    leader.record(Changes.rows_of([(1, S, 1.0), (2, S, 1.0), (3, S, 1.0)]))
     seq, entries, full = leader.since(0)
     assert (seq, full) == (3, False)
     follower.apply(entries, full)
-    leader.record([(2, R, 2.0)])
+    leader.record(Changes.rows_of([(2, R, 2.0)]))
     # a store reported late (another actor's flush) does not undo a later removal
-    leader.record([(2, S, 1.5)])
+    leader.record(Changes.rows_of([(2, S, 1.5)]))
     seq, entries, full = leader.since(seq)
-    assert entries == [(2, R, 2.0), (2, S, 1.5)] and not full
+    assert entries.rows() == [(2, R, 2.0), (2, S, 1.5)] and not full
     follower.apply(entries, full)
     assert [follower.state(d) for d in (1, 2, 3, 9)] == [
         Seen.STORED,
@@ -189,12 +193,40 @@ def test_ledger_followers_catch_up_and_forget_the_oldest():
         Seen.STORED,
         Seen.NEVER,
     ]
-    leader.record([(d, S, 3.0) for d in range(10, 20)])  # past capacity: oldest forgotten
+    leader.record(Changes.of(range(10, 20), S, 3.0))  # past capacity: oldest forgotten
     assert len(leader) == 4 and leader.state(1) is Seen.NEVER and leader.state(19) is Seen.STORED
     _, entries, full = leader.since(seq)  # the log was trimmed past seq: the whole record
-    assert full and sorted(d for d, _, _ in entries) == [16, 17, 18, 19]
+    assert full and sorted(d for d, _, _ in entries.rows()) == [16, 17, 18, 19]
     follower.apply(entries, full)
     assert follower.state(2) is Seen.NEVER and follower.state(17) is Seen.STORED
+
+
+def test_the_ledgers_log_is_trimmed_inside_a_report_and_read_from_inside_one():
+    """Reports are kept whole in the log; a reader's sequence number can fall inside one,
+    and trimming to the capacity can cut one."""
+    from kvray.index.ledger import Changes, Ledger, Seen
+
+    S = int(Seen.STORED)
+    ledger = Ledger(capacity=3)
+    ledger.record(Changes.of([1, 2], S, 1.0))
+    ledger.record(Changes.of([3, 4], S, 2.0))
+    seq, entries, full = ledger.since(1)  # from inside the first report
+    assert (seq, full) == (4, False) and entries.digests.tolist() == [2, 3, 4]
+    ledger.record(Changes.of([5, 6, 7], S, 3.0))  # 7 > 2 x 3: trimmed to the last 3 entries
+    assert ledger.since(4) == (7, ledger.since(4)[1], False)
+    assert ledger.since(4)[1].digests.tolist() == [5, 6, 7]
+    _, entries, full = ledger.since(3)  # before what the log still holds
+    assert full and sorted(entries.digests.tolist()) == [5, 6, 7]
+    ledger.record(Changes.of([], S, 4.0))  # an empty report changes nothing
+    assert ledger.seq == 7
+    # digests use all 64 bits, and the reports' columns survive a round trip as Ray sends them
+    import pickle
+
+    big = Changes.of([2**64 - 1, 2**63], Seen.REMOVED, 5.0)
+    assert pickle.loads(pickle.dumps(big, protocol=5)).rows() == [
+        (2**64 - 1, int(Seen.REMOVED), 5.0),
+        (2**63, int(Seen.REMOVED), 5.0),
+    ]
 
 
 # ---- which SSD tier a lookup asks, per key column --------------------------------------

@@ -69,11 +69,11 @@ def test_writes_go_through_and_the_lower_tier_serves_what_dram_lost(tmp_path):
         assert await tiers.exists(keys) == [False] * 4
         assert await tiers.get(batch(region, keys)) == [KeyStatus.NOT_FOUND] * 4
         changes = tiers.take_changes()
-        assert [(d, w) for d, w, _ in changes] == [
+        assert [(d, w) for d, w, _ in changes.rows()] == [
             *((block_digest(k), int(Seen.STORED)) for k in keys),
             *((block_digest(k), int(Seen.REMOVED)) for k in keys),
         ]
-        assert tiers.take_changes() == []
+        assert len(tiers.take_changes()) == 0
         await tiers.release_region(region.spec.region_id)
         assert dram.stats.regions == 0 and ssd.stats.regions == 0
 

@@ -70,6 +70,7 @@ class SharedRegion:
     def __init__(self, spec: RegionSpec, array: np.ndarray, *, owner_fd: int | None = None) -> None:
         self.spec = spec
         self._array: np.ndarray | None = array
+        self._base: int = array.__array_interface__["data"][0]
         self._owner_fd = owner_fd
 
     @classmethod
@@ -140,7 +141,10 @@ class SharedRegion:
 
     @property
     def base_ptr(self) -> int:
-        return int(self.array.ctypes.data)
+        """The mapping's address (read once: a client asks it per value it moves)."""
+        if self._array is None:
+            raise RegionError(f"region {self.spec.region_id} is closed")
+        return self._base
 
     def stale(self) -> bool:
         """True when the creator closed the region or died: the mapping can be dropped."""

@@ -13,8 +13,8 @@ one warm-up rep first, since the first pass over fresh memory faults its pages i
   batch split in ``N`` native calls on ``N`` threads, the parallelism kvray itself uses
   (``--io-threads``, its ``io_threads``);
 - ``kvray``: ``Pool.put`` / ``Pool.get`` of blocks living in a kvray shared region (one
-  Ray call per batch, bytes moved by the rank's BackendClient actor, nothing through
-  Ray's object store), on a pool with ``checksum: false``;
+  call per batch on the node channel, bytes moved by the rank's BackendClient actor,
+  nothing through Ray's object store), on a pool with ``checksum: false``;
 - ``kvray staged``: the same for ordinary arrays, copied through the staging window;
 - ``kvray checksum`` / ``kvray multi checksum``: the same as ``kvray`` and ``kvray
   multi`` on a second pool with ``checksum: true`` (the default): the difference is what

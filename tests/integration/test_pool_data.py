@@ -32,6 +32,20 @@ def test_round_trip_is_byte_exact(pool, prefix, nbytes):
     assert got is not None and np.array_equal(got, value)
 
 
+def test_values_travel_over_the_node_channel(pool, prefix):
+    """Pool.put and Pool.get reach each rank's BackendClient on its node channel, as the
+    connector's workers do (Ray's calls are the path only while a channel is down)."""
+    for rank in (0, 1):
+        values = [np.full(4096, i, np.uint8) for i in range(3)]
+        keys = [f"{prefix}-r{rank}-{i}" for i in range(3)]
+        pool.put(keys, values, rank=rank)
+        store = pool._channels[rank]  # noqa: SLF001 - the path the values took
+        frames = store.frames
+        got = pool.get(keys, shape=(4096,), dtype=np.uint8, rank=rank)
+        assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
+        assert store.attached and store.ray_calls == 0 and store.frames == frames + 1
+
+
 def test_dtypes_and_torch_tensors(pool, prefix):
     a = np.linspace(0, 1, 1000, dtype=np.float64).reshape(10, 100)
     t = torch.randn(4, 33, dtype=torch.bfloat16)

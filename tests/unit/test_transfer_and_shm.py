@@ -27,7 +27,10 @@ def test_region_shared_between_mappings(region):
     other = SharedRegion.attach(region.spec)
     region.array[:4] = [1, 2, 3, 4]
     assert list(other.array[:4]) == [1, 2, 3, 4]
+    assert other.base_ptr == other.array.ctypes.data != region.base_ptr  # (two mappings)
     other.close()
+    with pytest.raises(RegionError, match="closed"):
+        other.base_ptr  # noqa: B018 - a closed region has no address
     assert not region.stale()  # an attacher closing does not end the region
     assert not glob.glob("/dev/shm/kvray-unittest*")  # never a named file
 

@@ -64,6 +64,9 @@ REATTACH_S = 1.0
 """How often a worker whose channel broke asks its BackendClient for the new one."""
 
 CLOSED = "closed by the actor (it restarted or died)"
+LOCK_POLL_S = 0.001
+"""How often a thread waiting for another's read of the channel looks whether that read
+settled its calls."""
 """Why a channel broke when the actor's end of it closed."""
 
 Method = Callable[..., Awaitable[Any]]
@@ -312,14 +315,23 @@ class ChannelClient:
         with self._send_lock:
             self._calls.pop(call.cid, None)
 
-    def pump(self, timeout_s: float | None) -> None:
+    def pump(self, timeout_s: float | None, done: Callable[[], bool] | None = None) -> None:
         """Send what is queued, then settle the calls whose answers arrived, waiting up
-        to ``timeout_s`` (None: no limit) for some to arrive."""
+        to ``timeout_s`` (None: no limit) for some to arrive; or, once ``done`` is true,
+        not at all. Several threads may wait on one channel (a Pool's calls): one reads
+        while the others wait for its lock, and a waiter whose calls that reader settled
+        returns without reading, since nothing more may come for it."""
         self.flush()
-        with self._recv_lock:
-            if self.broken is not None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._recv_lock.acquire(timeout=LOCK_POLL_S):
+            if (done is not None and done()) or (
+                deadline is not None and time.monotonic() >= deadline
+            ):
                 return
-            wait = timeout_s
+        try:
+            if self.broken is not None or (done is not None and done()):
+                return
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             while True:
                 try:
                     readable, _, _ = select.select([self._sock], [], [], wait)
@@ -341,6 +353,8 @@ class ChannelClient:
                 self._buf += data
                 self._dispatch()
                 wait = 0  # read on only while more is there already
+        finally:
+            self._recv_lock.release()
 
     def _dispatch(self) -> None:
         buf = self._buf
@@ -372,7 +386,7 @@ class ChannelClient:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
-            self.pump(left)
+            self.pump(left, lambda: (all if every else any)(c.settled for c in calls))
 
     def _break(self, why: str) -> None:
         """Fail every call in flight; the channel is closed for good."""

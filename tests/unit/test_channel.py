@@ -130,6 +130,30 @@ def test_ready_waits_for_the_first_or_for_every_call(served: Served) -> None:
     client.close()
 
 
+def test_a_waiter_whose_answer_another_thread_read_returns_at_once(served: Served) -> None:
+    """Threads sharing one channel (a Pool's calls): while one waits for a call the actor
+    holds, reading the socket, another's quick call answers; the reader settles it, and
+    its waiter returns then, not when the held call ends (nothing more would come for it:
+    it used to wait for the next answer or its whole timeout)."""
+    client = ChannelClient(served.address, "unit")
+    held = client.call("held", ("late",), "held")
+    reader = threading.Thread(target=held.result, args=(30,))
+    reader.start()
+    while not client._recv_lock.locked():  # noqa: SLF001 - until the reader waits in select
+        time.sleep(0.001)
+    got: list[Any] = []
+    quick = threading.Thread(
+        target=lambda: got.append(client.call("echo", (7,), "echo").result(30))
+    )
+    quick.start()
+    quick.join(10)  # (a stuck waiter would still be waiting: the held call is not released)
+    assert not quick.is_alive() and got == [(7,)] and not held.settled
+    served.loop.call_soon_threadsafe(served.release.set)
+    reader.join(10)
+    assert held.result(0) == "late"
+    client.close()
+
+
 def test_a_connection_from_another_user_is_refused(served: Served) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to connect as another user")

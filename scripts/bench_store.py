@@ -67,7 +67,6 @@ import numpy as np  # noqa: E402
 from kvray.backends.base import KeyStatus  # noqa: E402
 from kvray.index.block_index import DRAM, BlockIndex  # noqa: E402
 from kvray.keys import KeySpace, KVLayout, chain_block_hashes  # noqa: E402
-from kvray.remote import StoreHandle  # noqa: E402
 from kvray.shm import RegionSpec  # noqa: E402
 from kvray.store.channel import ChannelStore  # noqa: E402
 
@@ -389,32 +388,26 @@ def main() -> int:
         plain_out = [np.empty(block, np.uint8) for _ in range(blocks)]
         plain_src = [payload[i * block : (i + 1) * block] for i in range(blocks)]
         region, out_region = region_spec(pool, src), region_spec(pool, out)
-        actor: StoreHandle = pool._loop.run(pool._actor(0))  # noqa: SLF001 - rank 0's client
+        # rank 0's client on its node channel, as the connector's worker reaches it (the
+        # pool's own: Pool.put and Pool.get take it too)
+        store: ChannelStore = pool._loop.run(pool._store(0))  # noqa: SLF001
         ck_src = ck.empty(nbytes, np.uint8)
         ck_src[:] = payload
         ck_out = ck.empty(nbytes, np.uint8)
         ck_src_rows = list(ck_src.reshape(blocks, block))
         ck_out_rows = list(ck_out.reshape(blocks, block))
         ck_region, ck_out_region = region_spec(ck, ck_src), region_spec(ck, ck_out)
-        ck_actor: StoreHandle = ck._loop.run(ck._actor(0))  # noqa: SLF001
-
-        # (the worker's transfers: over the node channel, Ray calls only while it is down)
-        channels = {
-            id(actor): ChannelStore(actor, 60.0),
-            id(ck_actor): ChannelStore(ck_actor, 60.0),
-        }
-        for channel in channels.values():
-            channel.attach()
+        ck_store: ChannelStore = ck._loop.run(ck._store(0))  # noqa: SLF001
+        for channel in (store, ck_store):
             assert channel.attached, "the BackendClient's node channel did not attach"
 
-        def actor_call(op: str, spec: RegionSpec, on: StoreHandle = actor) -> None:
+        def actor_call(op: str, spec: RegionSpec, on: ChannelStore = store) -> None:
             """What the connector's worker sends per step: one TransferBatch of every
             block's per-layer pieces to the rank's BackendClient actor, on its node channel
             (as the worker sends it)."""
             offs, lens = shapes["multi"]
             batch = TransferBatch(spec, tuple(keys), offs, lens)
-            store = channels[id(on)]
-            call = store.put(batch, False) if op == "put" else store.get(batch)
+            call = on.put(batch, False) if op == "put" else on.get(batch)
             statuses = call.result(None)
             assert all(st is KeyStatus.OK for st in statuses), f"kvray multi {op} failed"
 
@@ -491,15 +484,13 @@ def main() -> int:
                 lambda: actor_call("get", out_region), same(out),
             ),
             "kvray multi checksum": (
-                ck_clear, lambda: actor_call("put", ck_region, ck_actor), reset(ck_out),
-                lambda: actor_call("get", ck_out_region, ck_actor), same(ck_out),
+                ck_clear, lambda: actor_call("put", ck_region, ck_store), reset(ck_out),
+                lambda: actor_call("get", ck_out_region, ck_store), same(ck_out),
             ),
         }  # fmt: skip
         times = round_trips(paths, args.reps, ("put", "get"))
-        sent_by_ray = sum(channel.ray_calls for channel in channels.values())
-        assert sent_by_ray == 0, f"{sent_by_ray} kvray multi transfers went through Ray"
-        for channel in channels.values():
-            channel.close()
+        sent_by_ray = store.ray_calls + ck_store.ray_calls
+        assert sent_by_ray == 0, f"{sent_by_ray} kvray transfers went through Ray"
         raw_clear()
 
         log(f"== prefix lookup of {blocks} blocks through the Lookup actor")

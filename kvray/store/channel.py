@@ -64,10 +64,10 @@ REATTACH_S = 1.0
 """How often a worker whose channel broke asks its BackendClient for the new one."""
 
 CLOSED = "closed by the actor (it restarted or died)"
+"""Why a channel broke when the actor's end of it closed."""
 LOCK_POLL_S = 0.001
 """How often a thread waiting for another's read of the channel looks whether that read
 settled its calls."""
-"""Why a channel broke when the actor's end of it closed."""
 
 Method = Callable[..., Awaitable[Any]]
 

@@ -1,11 +1,13 @@
 """Worker side, load path: blocks from the pool into the engine's KV cache.
 
 A step's loads are one batched ``get`` per transfer (per part when a block is several
-keys). Sync loads end before the step's forward; async ones are polled in
-``get_finished`` and reported done per request. Layer-wise (``use_layerwise``): a step's
-sync loads are sent at once, one call per layer group, and the forward waits for group
-``g`` only in ``wait_for_layer_load`` of its first layer (staged: then scatters that
-group), so later groups arrive while earlier layers compute. A group the forward did not
+keys). Sync loads end before the step's forward. Async ones are a transfer per request,
+polled in ``get_finished``: each request is reported done once its own blocks are in, so
+vLLM computes it in the next step while the requests sent with it still load.
+Layer-wise (``use_layerwise``): a step's sync loads are sent at once, one call per layer
+group, and the forward waits for group ``g`` only in ``wait_for_layer_load`` of its first
+layer (staged: then scatters that group), so later groups arrive while earlier layers
+compute. A group the forward did not
 wait for (an engine that skips the per-layer hooks) is reported as failed, never used.
 
 A block loads only if every key of it did; one that did not (absent, corrupt, a failed
@@ -34,13 +36,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
-"""How long a step in which no request computes waits for its async loads to end (or, when
-a lookup waits for this instance's own saves in flight, for those saves). Such a step
-exists only for transfers; ending it at once makes vLLM run empty steps until the
-loads are reported (each a scheduler pass, a worker round trip, and in a multiprocess
+"""How long a step in which no request computes waits for the oldest of its async loads to
+end (or, when a lookup waits for this instance's own saves in flight, for those saves).
+Such a step exists only for transfers; ending it at once makes vLLM run empty steps until
+the loads are reported (each a scheduler pass, a worker round trip, and in a multiprocess
 engine a 1 ms sleep), taking CPU from the BackendClient that serves them. A request that
 arrives meanwhile waits at most this long to be scheduled; a longer load or save (a cold
 SSD, a remote node) is then polled as before."""
+
+
+def by_request(ops: list[BlockOp]) -> list[list[BlockOp]]:
+    """``ops`` per request, in the order the requests first appear."""
+    out: dict[str, list[BlockOp]] = {}
+    for op in ops:
+        out.setdefault(op.req_id, []).append(op)
+    return list(out.values())
 
 
 @dataclass(eq=False)
@@ -131,8 +141,9 @@ class Loader:
             loads = []
         for chunk in self._region.chunks(loads):
             self._load_now(chunk)
-        for chunk in self._region.chunks(async_loads):
-            self._send_async(chunk)
+        for ops in by_request(async_loads):
+            for chunk in self._region.chunks(ops):
+                self._send_async(chunk)
 
     def _reserve(self, ops: list[BlockOp], n: int) -> tuple[bool, int | None]:
         """(got slots, first slot): shared needs none; staged fails the ops when staging
@@ -227,11 +238,11 @@ class Loader:
         return [c for load in self._async for c in load.calls]
 
     def wait_async(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for every async load in flight to end (accounted by
-        the next :meth:`poll_async`)."""
-        calls = self.async_calls()
-        if calls:
-            self._waits.ready(calls, timeout_s, every=True)
+        """Wait up to ``timeout_s`` for the oldest async load in flight to end (accounted
+        by the next :meth:`poll_async`): its request can compute in the next step while
+        the later ones still load."""
+        if self._async:
+            self._waits.ready(self._async[0].calls, timeout_s, every=True)
 
     def poll_async(self) -> None:
         """Account (and, staged, scatter) every async load whose calls are all done."""

@@ -244,6 +244,29 @@ def test_a_step_where_nothing_computes_waits_for_its_async_loads_and_reports_the
     assert times is not None and times.async_served_ms == (4.0 if idle else 0.0)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_each_requests_async_load_is_reported_once_its_own_blocks_are_in(engine, placement):
+    """Two requests' async loads sent in one step are a call each: the one whose blocks
+    landed is reported (vLLM computes it next step) while the other still loads, and a
+    step in which nothing computes waits for the oldest load only."""
+    e = engine(placement, waits=AnsweringWaits(), load_async=True)
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2), (1, 2))])
+    e.worker.get_finished(set())
+    e.store.hang = True
+    sent = len(e.store.calls)
+    loads = [BlockOp("b", _hashes(1), (5,)), BlockOp("c", _hashes(2), (6,))]
+    assert e.run_step(async_loads=loads) == (None, None)  # a forward ran: nothing waited
+    calls = [call for method, _, call in e.store.calls[sent:] if method == "get"]
+    assert len(calls) == 2 and all(c.pending for c in calls)
+    # Nothing computes next: the step waits for b's load, which ends; c's still loads.
+    assert e.run_step(idle=True) == (None, {"b"})  # type: ignore[arg-type]
+    assert not calls[0].pending and calls[1].pending
+    assert _same(e.block(5)[:1], e.block(1)[:1])
+    calls[1].finish()
+    assert e.worker.get_finished(set()) == (None, {"c"})
+    assert _same(e.block(5), e.block(1)) and _same(e.block(6), e.block(2))
+
+
 @pytest.mark.parametrize("awaits", [True, False], ids=["a-lookup-awaits", "nothing-awaits"])
 def test_a_step_told_a_lookup_awaits_its_saves_waits_for_them(engine, awaits):
     """A step in which nothing computes and a lookup waits for this instance's own saves:

@@ -7,8 +7,8 @@ vLLM computes it in the next step while the requests sent with it still load.
 Layer-wise (``use_layerwise``): a step's sync loads are sent at once, one call per layer
 group, and the forward waits for group ``g`` only in ``wait_for_layer_load`` of its first
 layer (staged: then scatters that group), so later groups arrive while earlier layers
-compute. A group the forward did not
-wait for (an engine that skips the per-layer hooks) is reported as failed, never used.
+compute. A group the forward did not wait for (an engine that skips the per-layer hooks)
+is reported as failed, never used.
 
 A block loads only if every key of it did; one that did not (absent, corrupt, a failed
 or late call) is left alone and reported through ``get_block_ids_with_load_errors``, so

@@ -58,6 +58,7 @@ MAX_BATCH_KEYS = 1000
 """Keys per native call (``mcreate`` / ``mset_buffer`` accept fewer than 2000)."""
 
 _CODE_RE = re.compile(r"code: \[([^\]]+)\]")
+_RETRIES_RE = re.compile(r"RPC Retry detail: \[([^\]]*)\]")
 
 # SDK status names that mean "the worker cannot serve", not "this key failed".
 _UNAVAILABLE_WORDS = (
@@ -97,6 +98,12 @@ def classify(exc: BaseException) -> KeyStatus | None:
     if "invalid" in code or "out of range" in code:
         return KeyStatus.INVALID
     if any(word in code for word in _UNAVAILABLE_WORDS):
+        # The SDK retries "out of memory" until the request's timeout, so the last try of
+        # a put into a full worker can end as "unavailable" ("RPC Retry detail: [ RPC
+        # unavailable * 1 Out of memory * 3 ]"): a worker that answered "full" is up.
+        retries = _RETRIES_RE.search(str(exc))
+        if retries and "out of memory" in retries.group(1).lower():
+            return KeyStatus.POOL_FULL
         return None
     return KeyStatus.ERROR
 

@@ -117,6 +117,18 @@ SDK_ERRORS = [
         None,
     ),
     ("code: [RPC deadline exceeded], msg: [timeout]", None),
+    (  # the last of the SDK's retries of a put into a full worker ran out of time
+        "code: [RPC unavailable], msg: [[RPC_RECV_TIMEOUT] Rpc service for client 6c159223 "
+        "has not responded within the allowed time. Detail: code: [Try again], msg: [Try "
+        "again. The queue is empty within allowed time: 3 ms | traceId : 178b7a35]. RPC "
+        "Retry detail: [ RPC unavailable * 1 Out of memory * 3 ] with 3 times in 1000 ms.]",
+        KeyStatus.POOL_FULL,
+    ),
+    (
+        "code: [RPC unavailable], msg: [timeout. RPC Retry detail: [ RPC unavailable * 3 ] "
+        "with 3 times in 1000 ms.]",
+        None,
+    ),
     ("code: [Something new], msg: [?]", KeyStatus.ERROR),
 ]
 

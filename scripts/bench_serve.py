@@ -9,12 +9,11 @@ SIGSTOP so their background threads do not take the measured server's CPU):
 - ``local``: vLLM's prefix cache (the ideal on run 2: nothing to move);
 - ``peer``: vLLM's MooncakeStoreConnector (in-process Mooncake client, embedded mode,
   its own mooncake_master with the kvray master's settings), prefix caching off;
-- ``kvray``: KVRayConnector on a kvray pool, prefix caching off, its default config (each
-  request's hit loads as a transfer of its own, reported as it lands, and the request
-  computes in the next step);
+- ``kvray``: KVRayConnector on a kvray pool, prefix caching off;
 - ``staged``: the same through the ``staged`` placement (with ``--modes ...,staged``);
-- ``sync``: ``kvray`` with ``load_async: false`` (with ``--modes ...,sync``): a step's
-  hits load as one transfer, waited for before its forward;
+- ``async``: ``kvray`` with ``load_async: true`` (with ``--modes ...,async``): each
+  request's blocks load in a step of their own, reported per request as they land, and it
+  computes in the next step;
 - ``nock``: ``kvray`` on a second pool without block checksums (with ``--modes ...,nock``):
   with ``kvray`` beside it, the run prints what checksums cost run 2's mean TTFT (median of
   the per-rep ratios, 95 % bootstrap interval).
@@ -86,10 +85,10 @@ def serve(
     """One OpenAI server for ``mode``; ``more``: more of the kvray modes' connector
     config."""
     kvray = None
-    if mode in ("kvray", "staged", "nock", "sync"):
+    if mode in ("kvray", "staged", "nock", "async"):
         kvray = {
             "pool_name": "bench-nock" if mode == "nock" else "bench",
-            **({"load_async": False} if mode == "sync" else {}),
+            "load_async": mode == "async",
             "kv_placement": "staged" if mode == "staged" else "shared",
             "model_namespace": f"bench-serve-{mode}",
             **(more or {}),
@@ -156,10 +155,10 @@ def main() -> int:
     pool_memory_arg(parser)
     args = parse(parser, SMOKE)
     modes = args.modes.split(",")
-    unknown = set(modes) - {*MODES, "staged", "nock", "sync"}
+    unknown = set(modes) - {*MODES, "staged", "nock", "async"}
     if unknown:
         parser.error(
-            f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged, nock, sync"
+            f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged, nock, async"
         )
     if args.reps < 1:
         parser.error("--reps must be >= 1")
@@ -186,7 +185,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     pool: Any = None
     try:
-        if {"kvray", "staged", "nock", "sync"} & set(modes):
+        if {"kvray", "staged", "nock", "async"} & set(modes):
             pool, env["RAY_ADDRESS"] = start_bench_pool(
                 args.pool_memory, "512MB", master=master_settings.model_dump()
             )

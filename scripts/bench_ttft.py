@@ -36,11 +36,10 @@ own process, up for the whole run):
   (``kv_role: kv_consumer``), which looks up and loads but stores nothing: on rows
   without hits, nosave - full is what the connector costs a miss apart from its saves,
   and kvray - nosave what the saves cost it.
-- ``sync`` (``--configs ...,sync``): ``kvray`` with ``load_async: false``, the hit's
-  blocks loaded inside the step that computes the request, waited for before its forward
-  (``kvray``, the default, loads them in a step of their own, the request waiting in
-  vLLM's ``WAITING_FOR_REMOTE_KVS``, and computes it in the next): kvray - sync is what
-  that costs a request alone in the engine.
+- ``async`` (``--configs ...,async``): ``kvray`` with ``load_async: true``, the hit's
+  blocks loaded in a step of their own (the request waits in vLLM's
+  ``WAITING_FOR_REMOTE_KVS`` meanwhile) and its forward in the next: async - kvray is
+  what that costs a request alone in the engine.
 
 Paired differences (median over reps of per-rep differences, 95 % interval) are printed
 for each of index - kvray, kvray - actor-lookups, kvray - ray-calls, kvray - ideal,
@@ -123,7 +122,7 @@ from _stats import paired_difference_ms, paired_ratio, pct  # noqa: E402
 
 CONFIGS = (
     "full", "local", "kvray", "staged", "peer", "nock", "index", "raycall", "actor", "hmaoff",
-    "nice10", "nice0", "lazyseg", "nosave", "sync",
+    "nice10", "nice0", "lazyseg", "nosave", "async",
 )  # fmt: skip
 DEFAULT_CONFIGS = "full,local,kvray,peer"
 LABELS = {
@@ -141,7 +140,7 @@ LABELS = {
     "nice0": "kvray-saves-nice-0",
     "lazyseg": "kvray-lazy-segment",
     "nosave": "kvray-loads-only",
-    "sync": "kvray-sync-loads",
+    "async": "kvray-async-loads",
 }
 PAIRS = (
     ("index", "kvray"),
@@ -158,9 +157,9 @@ PAIRS = (
     ("kvray", "lazyseg"),
     ("nosave", "full"),
     ("kvray", "nosave"),
-    ("kvray", "sync"),
-    ("sync", "local"),
-    ("sync", "peer"),
+    ("async", "kvray"),
+    ("async", "local"),
+    ("async", "peer"),
 )
 """The paired differences printed, where both configurations ran (kvray - full on the
 0 % rows: what a miss costs over an engine with no connector; kvray - peer and peer -
@@ -234,13 +233,12 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
     spec: dict[str, Any] = {"model": model, "max_len": max_len, "prefix_caching": name == "local"}
     if states:
         spec["dtype"] = "bfloat16"  # (vLLM's CPU GDN kernel needs it)
-    if name in ("kvray", "staged", "raycall", "nosave", "sync") or name in OWN_POOLS:
+    if name in ("kvray", "staged", "raycall", "nosave", "async") or name in OWN_POOLS:
         spec["prefix_caching"] = states
         extra = {
             "pool_name": OWN_POOLS[name][0] if name in OWN_POOLS else "bench",
-            # (a hybrid model's loads are always async: vLLM takes their failures per
-            # request only)
-            **({"load_async": False} if name == "sync" else {}),
+            # (a hybrid model's loads are async: vLLM takes their failures per request only)
+            "load_async": family != "llama" or name == "async",
             "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }

@@ -33,8 +33,9 @@ paused with SIGSTOP):
 - ``kvray``: KVRayConnector, prefix caching off (as the seeds run it);
 - ``kvray-pc``: KVRayConnector with vLLM's prefix cache on (the pool below the engine's
   own cache);
-- ``kvray-sync``, ``kvray-pc-sync``: the same with ``load_async: false`` (a step's hits
-  loaded before its forward, where the default loads each request's in a step of its own);
+- ``kvray-async``, ``kvray-pc-async``: the same with ``load_async: true`` (each request's
+  hit loaded in a step of its own, reported as it lands, the request computed in the next
+  step; by default a step's hits load before its forward);
 - ``peer``: vLLM's MooncakeStoreConnector, prefix caching off (as bench_serve.py runs it);
 - ``peer-pc``: the same with vLLM's prefix cache on.
 
@@ -87,7 +88,7 @@ from _stats import paired_ratio  # noqa: E402
 from kvray.testing.server import Server  # noqa: E402
 
 WORKLOADS = ("chat", "ucm", "prefix_repetition")
-ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "kvray-sync", "kvray-pc-sync", "peer",
+ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "kvray-async", "kvray-pc-async", "peer",
         "peer-pc")  # fmt: skip
 DEFAULT_ARMS = {"chat": "none,local,ideal,kvray,kvray-pc,peer"}
 """``--arms``'s default per workload (else :data:`OTHER_ARMS`)."""
@@ -321,9 +322,9 @@ def start_arms(
             aenv.update(peer_env)
         elif arm.startswith("kvray"):
             kvray = {"pool_name": "bench", "model_namespace": f"workloads-{arm}", **args.connector}
-            if arm.endswith("-sync"):
-                kvray["load_async"] = False
-        caching = arm.removesuffix("-sync") in ("local", "ideal", "kvray-pc", "peer-pc")
+            if arm.endswith("-async"):
+                kvray["load_async"] = True
+        caching = arm.removesuffix("-async") in ("local", "ideal", "kvray-pc", "peer-pc")
         servers[arm] = s = serve_arm(
             arm, model, max_len, aenv, tmp, prefix_caching=caching,
             kvray=kvray, peer=arm.startswith("peer"), extra=extra,
@@ -431,14 +432,14 @@ CHAT_TARGETS = (
     ("kvray-pc", "peer", "p90_ttft_ms", 1.0),
     ("kvray-pc", "ideal", "p50_ttft_ms", None),
     ("ideal", "local", "p50_ttft_ms", None),
-    ("kvray-pc", "kvray-pc-sync", "p50_ttft_ms", None),
-    ("kvray-pc", "kvray-pc-sync", "p90_ttft_ms", None),
+    ("kvray-pc-async", "kvray-pc", "p50_ttft_ms", None),
+    ("kvray-pc-async", "kvray-pc", "p90_ttft_ms", None),
 )
 """The chat's targets (arm, baseline arm, metric, bound on the paired ratio): kvray with
 vLLM's prefix cache on against the prefix cache alone and the peer; without a bound, what
 stands beside them: kvray against the ideal, the ideal against the prefix cache alone
 (the least any cache below the engine can reach on these prompts and cores), and kvray
-against itself with sync loads."""
+with async loads against the default."""
 
 
 def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ token, alone in the engine); kvray's engine also returns that request's timeline
 
 - ``to lookup``: from vLLM's arrival stamp to the lookup being sent;
 - ``lookup``: sent to answered, as the scheduler saw it (``waits``: steps it sat out);
-- ``async load``: an asynchronous load (the default), from the answer to its end
+- ``async load``: a hybrid model's (asynchronous) load, from the answer to its end
   reaching the scheduler (the steps the request sat in WAITING_FOR_REMOTE_KVS), less
   the BackendClient's own time serving it (counted in ``load client``): the send, the
   node channel, the worker noticing the end and the steps around it;
@@ -112,7 +112,8 @@ def main() -> int:
         default="llama",
         help="the model's family (gemma3: sliding-window groups beside full attention; "
         "qwen3_next: Gated DeltaNet state groups, bfloat16, kvray's engine with vLLM's "
-        "prefix cache on and emptied before each probe, as bench_ttft runs it)",
+        "prefix cache on and emptied before each probe, as bench_ttft runs it; both loaded "
+        "asynchronously, as kvray must for such models)",
     )
     parser.add_argument(
         "--lookup-index",
@@ -150,6 +151,7 @@ def main() -> int:
             "kv_transfer_config": kvray_transfer_config(
                 {
                     "pool_name": "bench",
+                    "load_async": hybrid,
                     "kv_placement": args.placement,
                     "model_namespace": "bench-breakdown",
                 }

@@ -35,13 +35,8 @@ class ConnectorConfig(_Strict):
     so that existing configs work, and ignored."""
     mooncake_rpc_port: int = Field(0, ge=0, le=65535)
     """AscendStoreConnector's deprecated name of ``lookup_rpc_port``: ignored alike."""
-    load_async: bool = True
-    """Load pool hits asynchronously: each request's hit is one transfer, reported
-    through ``get_finished`` once its own blocks are in, so a burst of hits computes
-    request by request as each lands while the engine runs the rest. False: a step's
-    hits are one transfer, waited for before the step's forward. Left out with
-    ``use_layerwise``: false (its loads go group by group inside the forward). A hybrid
-    model's loads are always asynchronous (false is refused)."""
+    load_async: bool = False
+    """Load pool hits asynchronously (reported through ``get_finished``)."""
     recompute_slow_hits: bool = True
     """Compute a pool hit rather than load it when this engine measured its load to be
     slower than computing its tokens (short hits, a slow SSD tier); counted as the miss

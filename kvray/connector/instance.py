@@ -96,8 +96,6 @@ def instance_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
             "layerwise_groups is 1: a model of one KV cache group is then sent whole, not "
             "layer by layer; set layerwise_groups to 2 or more (or use_layerwise to false)"
         )
-    elif cfg.use_layerwise and "load_async" not in cfg.model_fields_set:
-        cfg = cfg.model_copy(update={"load_async": False})  # layer by layer, in the forward
     attention = [g for g in groups if g.positional]
     if not attention:
         raise ConfigError(

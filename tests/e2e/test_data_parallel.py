@@ -95,7 +95,7 @@ def test_two_dp_ranks_share_the_pool(ray_cluster, tiny_model, tmp_path):
     transfer = json.dumps({
         "kv_connector": "KVRayConnector", "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"pool_name": "dp",
+        "kv_connector_extra_config": {"pool_name": "dp", "load_async": False,
                                       "lookup_timeout_ms": LOOKUP_TIMEOUT_MS},
     })  # fmt: skip
     # lookup_timeout_ms: on a shared 2-core machine two engine cores busy-polling can delay

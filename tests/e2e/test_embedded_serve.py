@@ -68,7 +68,7 @@ def _serve(
     from kvray.servers.process import free_port
 
     port = free_port()
-    ours = {} if defaults else {"lookup_timeout_ms": LOOKUP_TIMEOUT_MS}
+    ours = {} if defaults else {"load_async": False, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS}
     transfer = {
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",

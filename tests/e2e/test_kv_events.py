@@ -66,7 +66,7 @@ def test_the_pools_events_match_the_engines_and_the_pool(events_pool, engines, t
             {
                 "model": tiny_model,
                 "prefix_caching": True,  # (vLLM publishes its own events for cached blocks)
-                "connector": _connector("e2e-ev", model_namespace="tiny-ev"),
+                "connector": _connector("e2e-ev", model_namespace="tiny-ev", load_async=False),
                 "kv_events_config": {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",

@@ -44,7 +44,7 @@ def test_hits_and_misses_come_from_the_index_with_no_lookup_call(
         {
             "model": tiny_model,
             "connector": {
-                **_connector("e2e-ix", model_namespace="tiny-ix"),
+                **_connector("e2e-ix", model_namespace="tiny-ix", load_async=False),
                 "policy": "recompute",
             },
         }

@@ -41,10 +41,8 @@ class Sched:
         self, tp_size: int = 1, index: Any = None, pool: dict[str, Any] | None = None, **extra: Any
     ) -> None:
         """``index``: the node's block index the Lookup actor offers (a BlockIndex);
-        ``pool``: the pool's config; ``extra``: connector settings (loads synchronous
-        unless ``load_async`` is given: most of the step's mechanics are seen there)."""
-        settings = {"model_namespace": "unit", "load_async": False, **extra}
-        cfg = validate(ConnectorConfig, settings, source="test")
+        ``pool``: the pool's config."""
+        cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
         self.info = InstanceInfo(
             cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both", model_name="tiny"
         )

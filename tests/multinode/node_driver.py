@@ -92,7 +92,9 @@ def main() -> int:
         config = {
             "name": args[0], "world_size": 1, "detached": True,
             "mooncake": {"global_segment_size": "64MB", "local_buffer_size": "16MB"},
-            "master": {"client_ttl_s": 2},
+            # 10 s (the default): with 2 s, a node's blocks were once gone before its loss
+            # on a loaded machine (its client's heartbeat can lapse that long)
+            "master": {"client_ttl_s": 10},
             "kv_events": {"port": 0, "replay_port": 0},  # host: the node's (2 nodes)
         }  # fmt: skip
         pool = Pool.start(config)

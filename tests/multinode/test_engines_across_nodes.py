@@ -37,7 +37,7 @@ def test_engine_on_b_loads_what_an_engine_on_a_stored(two_nodes, tmp_path, tiny_
     prompt = np.random.default_rng(11).integers(3, 1000, 4 * BLOCK + 30).tolist()
     two_nodes.json("A", "start", "mne")
     try:
-        extra = {"pool_name": "mne", "namespace": "kvray",
+        extra = {"pool_name": "mne", "namespace": "kvray", "load_async": False,
                  "lookup_timeout_ms": LOOKUP_TIMEOUT_MS}  # fmt: skip
         conn = {"extra": extra}
         spec = {"model": tiny_model, "connector": conn, "runs": [[prompt]]}

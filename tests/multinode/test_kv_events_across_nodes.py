@@ -40,8 +40,8 @@ def test_events_match_the_pool_after_a_node_loss(two_nodes):
         assert on_b["client_node"] != on_a["client_node"]
         _settle(two_nodes, pool, ["1", "2"], sorted(on_a["hashes"] + on_b["hashes"]), 60)
         assert two_nodes.kill_node("B") > 0
-        # Mooncake drops B's segment after 2 s; Ray declares B dead after its health
-        # checks fail; the manager's node watch then asks about the announced blocks.
+        # Mooncake drops B's segment after client_ttl_s (10 s); Ray declares B dead after
+        # its health checks fail; the manager's node watch then asks about the announced blocks.
         _settle(two_nodes, pool, ["1", "2"], sorted(on_a["hashes"]), 240)
     finally:
         if two_nodes.nodes["B"].raylet is None:  # later tests need it

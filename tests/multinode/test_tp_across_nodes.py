@@ -37,7 +37,7 @@ def _transfer(pool: str) -> str:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "pool_name": pool, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+            "pool_name": pool, "load_async": False, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
         },  # fmt: skip
     })  # fmt: skip
 

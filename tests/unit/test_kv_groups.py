@@ -188,21 +188,14 @@ def test_a_hybrid_instance_keys_every_group_and_loads_asynchronously():
     # the layout tag is the first attention group's, not the state group's
     assert space.layout == KVLayout("bfloat16", BS, 2, 64).tag()
     assert [g.kind for g in info.groups] == [STATE, FULL, SLIDING]
-    assert info.config.load_async is True  # absent: the default, on
+    assert info.config.load_async is True  # absent: turned on
     assert info.block_size == BS and info.max_step_blocks == 256 // BS
 
 
-def test_a_model_of_one_group_loads_as_configured_and_layer_wise_loads_synchronously():
+def test_a_model_of_one_group_keeps_its_load_mode():
     info = instance_info(_vllm_config(), _config(_full()))
     assert info.space.kv_groups == 1 and info.space.state_groups == ()
-    assert info.config.load_async is True  # the default
-    sync = instance_info(_vllm_config(load_async=False), _config(_full()))
-    assert sync.config.load_async is False
-    # layer-wise loads run inside the forward: absent, load_async is then false
-    layerwise = instance_info(_vllm_config(use_layerwise=True), _config(_full()))
-    assert layerwise.config.load_async is False and layerwise.space.layer_groups == 4
-    both = _vllm_config(use_layerwise=True, load_async=True)
-    assert instance_info(both, _config(_full())).config.load_async is True  # as set
+    assert info.config.load_async is False
 
 
 def test_a_model_of_only_states_is_refused():
@@ -235,13 +228,10 @@ def test_layerwise_is_taken_for_a_hybrid_model_and_one_layer_group_only_for_one(
         instance_info(_vllm_config(use_layerwise=True, layerwise_groups=1), _config(_full()))
 
 
-def test_for_groups_keeps_load_async_on_and_refuses_an_explicit_false():
+def test_for_groups_turns_an_absent_load_async_on_and_keeps_an_explicit_true():
     absent = validate(ConnectorConfig, {"model_namespace": "unit"}, source="test")
-    assert absent.load_async is True
+    assert absent.load_async is False
     assert _for_groups(absent, 2).load_async is True
-    # layer-wise saves of a hybrid model: its loads stay asynchronous
-    layerwise = validate(ConnectorConfig, {"use_layerwise": True}, source="test")
-    assert _for_groups(layerwise, 2).load_async is True
     explicit = validate(ConnectorConfig, {"load_async": True}, source="test")
     assert _for_groups(explicit, 2).load_async is True
     with pytest.raises(ConfigError, match="^load_async"):

@@ -117,17 +117,18 @@ class Loader:
         self._served_s = 0.0
         """Of the sync loads waited for since the last :meth:`take_served`: the time the
         BackendClient spent serving them (the slowest call of each wait)."""
-        self._async_served_s = 0.0
-        """Of the async loads accounted since the last :meth:`take_async_served`: the
-        slowest call's BackendClient time."""
+        self._async_served: dict[str, float] = {}
+        """Requests whose async loads ended: the BackendClient's time serving them (their
+        slowest call), where the carrier reports it, until :meth:`take_async_served`."""
 
     def take_served(self) -> float:
         served, self._served_s = self._served_s, 0.0
         return served
 
-    def take_async_served(self) -> float:
-        served, self._async_served_s = self._async_served_s, 0.0
-        return served
+    def take_async_served(self, rids: set[str]) -> dict[str, float]:
+        """Of ``rids`` (reported ended now), the BackendClient's time serving each one's
+        async load, where known (a request in several parts: its slowest)."""
+        return {r: self._async_served.pop(r) for r in rids if r in self._async_served}
 
     def _count_served(self, calls: list[Call[list[KeyStatus]]]) -> None:
         self._served_s += max((c.served_s or 0.0 for c in calls), default=0.0)
@@ -254,8 +255,11 @@ class Loader:
         finished = [ld for ld in self._async if all(id(c) in ended for c in ld.calls)]
         self._async = [ld for ld in self._async if ld not in finished]
         for load in finished:
-            served = max((c.served_s or 0.0 for c in load.calls), default=0.0)
-            self._async_served_s = max(self._async_served_s, served)
+            times = [c.served_s for c in load.calls]
+            if times and None not in times:
+                served = max(t for t in times if t is not None)
+                for rid in {op.req_id for op in load.ops}:
+                    self._async_served[rid] = max(self._async_served.get(rid, 0.0), served)
             try:
                 statuses = self._region.combine(self._waits.results(load.calls, None))
             except KVRayError as exc:

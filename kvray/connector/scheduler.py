@@ -498,9 +498,11 @@ class KVRayScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         times = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(times, StepTimes):
+            self._timelines.async_served(times.async_served_ms)
+            self._worth.async_served(times.async_served_ms)
         if output.finished_recving:
-            served = times.async_served_ms if isinstance(times, StepTimes) else None
-            self._timelines.async_loaded(output.finished_recving, served)
+            self._timelines.async_loaded(output.finished_recving)
         if isinstance(times, StepTimes):
             self._timelines.step_times(times)
             failed = bool(output.invalid_block_ids)

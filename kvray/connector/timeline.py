@@ -18,7 +18,7 @@ connector's counters (``lookup_us``, ``lookup_wait_steps``, ``load_wait_us``).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -43,16 +43,20 @@ class StepTimes(KVConnectorWorkerMetadata):
     saved_through: int = -1
     """Every save bound in this step or before has ended (stored or failed); the
     earliest of the ranks'. -1: not known."""
-    async_served_ms: float = 0.0
-    """Of the async loads this step reports ended (``finished_recving`` of the same
-    output): the BackendClient's own time serving them (the slowest call), as it
-    measured it; the rest of such a load's time is the node channel, the worker noticing
-    it, and the steps around it. 0 where none ended or over Ray calls."""
+    async_served_ms: dict[str, float] = field(default_factory=dict)
+    """The requests whose async loads this rank reports ended in this step: the
+    BackendClient's own time serving each one's load (its slowest call), as it measured
+    it, i.e. the load's own time less the node channel's round trip; the rest of the
+    time its request waited is the worker noticing it and the steps around it. Over Ray
+    calls none is measured (empty)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, StepTimes):
             return self
         slow = self if self.load_wait_ms >= other.load_wait_ms else other
+        served = dict(other.async_served_ms)
+        for rid, ms in self.async_served_ms.items():
+            served[rid] = max(ms, served.get(rid, 0.0))
         return StepTimes(
             max(self.step, other.step),
             slow.load_wait_ms,
@@ -60,7 +64,7 @@ class StepTimes(KVConnectorWorkerMetadata):
             max(self.save_ms, other.save_ms),
             slow.load_served_ms,
             min(self.saved_through, other.saved_through),
-            max(self.async_served_ms, other.async_served_ms),
+            served,
         )
 
 
@@ -74,7 +78,7 @@ class StepClock:
         self._load_wait = 0.0
         self._served = 0.0
         self._save = 0.0
-        self._async_served = 0.0
+        self._async_served: dict[str, float] = {}
         self._forward_end = 0.0
         self.active = False
 
@@ -82,7 +86,8 @@ class StepClock:
         self.step, self.active = step, True
         self._bound = time.perf_counter()
         self._in_connector = self._load_wait = self._save = self._forward_end = 0.0
-        self._served = self._async_served = 0.0
+        self._served = 0.0
+        self._async_served = {}
 
     def loaded(self, seconds: float, *, waited: bool, served: float = 0.0) -> None:
         """``seconds`` spent in start_load_kv (the forward waited when ``waited``) or in
@@ -92,10 +97,10 @@ class StepClock:
             self._load_wait += seconds
             self._served += min(served, seconds)
 
-    def async_served(self, seconds: float) -> None:
+    def async_served(self, seconds: dict[str, float]) -> None:
         """Async loads reported ended this step: the BackendClient's own time serving
-        them (the slowest)."""
-        self._async_served = max(self._async_served, seconds)
+        each request's."""
+        self._async_served.update(seconds)
 
     def saving(self, start: float, seconds: float) -> None:
         if not self._forward_end:
@@ -115,7 +120,7 @@ class StepClock:
             self._save * 1e3,
             self._served * 1e3,
             saved_through,
-            self._async_served * 1e3,
+            {rid: s * 1e3 for rid, s in self._async_served.items()},
         )
 
 

@@ -10,6 +10,7 @@ them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvray.connector.timeline import RequestClock, StepTimes
@@ -74,14 +75,20 @@ class RequestTimelines:
                     tl.save_ms = times.save_ms
                 self._log_parked(rid)
 
-    def async_loaded(self, rids: set[str], served_ms: float | None = None) -> None:
-        """The async loads of ``rids`` ended (reported in a step's output, with the
-        BackendClient's own time for the slowest of them: ``served_ms``)."""
+    def async_served(self, served_ms: Mapping[str, float]) -> None:
+        """A rank ended these requests' async loads: the BackendClient's own time serving
+        each (the slowest rank's counts)."""
+        for rid, ms in served_ms.items():
+            clock = self._clocks.get(rid)
+            if clock is not None:
+                clock.timeline.async_served_ms = max(ms, clock.timeline.async_served_ms or 0.0)
+
+    def async_loaded(self, rids: set[str]) -> None:
+        """The async loads of ``rids`` ended on every rank (reported in a step's output)."""
         for rid in rids:
             clock = self._clocks.get(rid)
             if clock is not None and clock.timeline.async_loaded_ms is None:
                 clock.timeline.async_loaded_ms = clock.now_ms()
-                clock.timeline.async_served_ms = served_ms
 
     def finished(self, rid: str, st: RequestState | None) -> None:
         """``rid`` finished: logged now, or once its first-token step's times came."""

@@ -320,7 +320,7 @@ class KVRayWorker:
                 loads.wait_async(IDLE_WAIT_S)
             loads.poll_async()
             recving, failed = loads.finished()
-            self._clock.async_served(loads.take_async_served())
+            self._clock.async_served(loads.take_async_served(recving))
         return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:

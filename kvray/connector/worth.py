@@ -11,8 +11,11 @@ call and no wait:
   :class:`~kvray.connector.timeline.StepTimes`), steps of at least a block of tokens
   only (decode steps say little about a prefill's cost per token);
 - a synchronous load's wait against the blocks that step loaded (the forward waited for
-  exactly those), or an asynchronous load's time from the step that sent it to the
-  output that reported it done (what its request waited).
+  exactly those), or an asynchronous load's own time against its blocks: the
+  BackendClient's time serving it, as the worker reports it (over the node channel;
+  over Ray calls none is reported, and such loads are no samples). Not the time its
+  request waited: that holds the steps of other requests running meanwhile, which on a
+  busy engine is longer than any load, and would refuse every hit.
 
 Each line is a Theil-Sen fit (the median of the slopes between every two samples, then
 the median intercept) over the last :data:`WINDOW` samples: a step slowed by a
@@ -29,9 +32,8 @@ a row on a tier is taken anyway, to measure it again.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import median
 
@@ -105,8 +107,8 @@ class _Loading:
 
     dram: int = 0
     ssd: int = 0
-    sent: float = 0.0
-    """When the step that sends it was built (async loads)."""
+    served_ms: float | None = None
+    """An async load's own time, as the ranks report it (the slowest rank's)."""
 
 
 class Worth:
@@ -186,10 +188,7 @@ class Worth:
     def step_built(self, step: int, tokens: int) -> None:
         """Step ``step`` was handed to the workers: ``tokens`` to compute, and the loads
         planned since the last step."""
-        now = time.monotonic()
-        for rid, loading in self._async_unsent.items():
-            loading.sent = now
-            self._async[rid] = loading
+        self._async.update(self._async_unsent)
         self._async_unsent.clear()
         self._steps[step] = (tokens, self._sync)
         self._sync = _Loading()
@@ -209,13 +208,21 @@ class Worth:
         if (loads.dram or loads.ssd) and not failed:
             self._add_load(loads, load_wait_ms)
 
+    def async_served(self, served_ms: Mapping[str, float]) -> None:
+        """A rank reports the async loads it ended, with each one's own time (the ranks
+        may end a request's load in different steps: the slowest counts)."""
+        for rid, ms in served_ms.items():
+            loading = self._async.get(rid)
+            if loading is not None:
+                loading.served_ms = max(ms, loading.served_ms or 0.0)
+
     def async_done(self, rids: set[str], failed: set[str]) -> None:
-        """Async loads ended (``failed``: those of them that failed: not samples)."""
-        now = time.monotonic()
+        """Async loads ended on every rank (``failed``: those of them that failed: not
+        samples; nor are those whose own time no rank reported)."""
         for rid in rids:
             loading = self._async.pop(rid, None)
-            if loading is not None and rid not in failed:
-                self._add_load(loading, (now - loading.sent) * 1e3)
+            if loading is not None and loading.served_ms is not None and rid not in failed:
+                self._add_load(loading, loading.served_ms)
 
     def forget(self, rid: str) -> None:
         self._async.pop(rid, None)

@@ -325,7 +325,7 @@ def test_async_loads_are_planned_as_such():
     s.sched.update_connector_output(
         KVConnectorOutput(
             finished_recving={"r1"},
-            kv_connector_worker_meta=StepTimes(meta.step, async_served_ms=5.0),
+            kv_connector_worker_meta=StepTimes(meta.step, async_served_ms={"r1": 5.0}),
         )
     )
     tl = s.sched._timelines._clocks["r1"].timeline  # noqa: SLF001

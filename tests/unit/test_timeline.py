@@ -29,25 +29,26 @@ def test_async_load_submission_is_not_a_wait():
     clock = StepClock()
     clock.bind(1)
     clock.loaded(0.002, waited=False)
-    clock.async_served(0.004)  # async loads reported ended this step: the slowest
-    clock.async_served(0.003)
+    clock.async_served({"a": 0.004})  # async loads reported ended this step, each its own
+    clock.async_served({"b": 0.003})
     times = clock.times(0)
     assert times is not None and times.load_wait_ms == 0.0 and times.load_served_ms == 0.0
-    assert times.async_served_ms == 4.0
+    assert times.async_served_ms == {"a": 4.0, "b": 3.0}
     clock.bind(2)  # a new step starts from nothing
     times = clock.times(0)
-    assert times is not None and times.async_served_ms == 0.0
+    assert times is not None and times.async_served_ms == {}
 
 
 def test_ranks_aggregate_to_the_slowest():
     a = StepTimes(3, load_wait_ms=1.0, forward_ms=20.0, save_ms=0.5, load_served_ms=0.9,
-                  saved_through=3, async_served_ms=6.0)  # fmt: skip
+                  saved_through=3, async_served_ms={"r1": 6.0, "r2": 1.0})  # fmt: skip
     b = StepTimes(3, load_wait_ms=4.0, forward_ms=18.0, save_ms=0.7, load_served_ms=2.5,
-                  saved_through=1, async_served_ms=2.0)  # fmt: skip
+                  saved_through=1, async_served_ms={"r1": 2.0, "r3": 5.0})  # fmt: skip
     agg = a.aggregate(b)
     # The slowest rank's load wait, with its own served share; saves ended on every rank
-    # only through the earliest rank's step; the slowest rank's async serving.
-    assert agg == StepTimes(3, 4.0, 20.0, 0.7, 2.5, 1, 6.0)
+    # only through the earliest rank's step; each request's async load at the slowest
+    # rank that ended it.
+    assert agg == StepTimes(3, 4.0, 20.0, 0.7, 2.5, 1, {"r1": 6.0, "r2": 1.0, "r3": 5.0})
 
 
 def test_request_clock_measures_from_first_sight():

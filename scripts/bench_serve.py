@@ -14,6 +14,8 @@ SIGSTOP so their background threads do not take the measured server's CPU):
 - ``async``: ``kvray`` with ``load_async: true`` (with ``--modes ...,async``): each
   request's blocks load in a step of their own, reported per request as they land, and it
   computes in the next step;
+- ``auto``: ``kvray`` with ``load_async: auto`` (with ``--modes ...,auto``): a step's first
+  hit loads before its forward, the step's further hits beside it, as ``async``;
 - ``nock``: ``kvray`` on a second pool without block checksums (with ``--modes ...,nock``):
   with ``kvray`` beside it, the run prints what checksums cost run 2's mean TTFT (median of
   the per-rep ratios, 95 % bootstrap interval).
@@ -66,6 +68,8 @@ from _stats import paired_ratio, pct  # noqa: E402
 from kvray.testing.server import Server  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
+KVRAY_MODES = ("kvray", "staged", "nock", "async", "auto")
+"""The modes that run KVRayConnector."""
 SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "--reps", "1",
          "--kv-cache-gb", "1", "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
 """``--smoke``: the strongest baseline (``peer``) and ``kvray``, one rep of 2 prompts of
@@ -85,10 +89,10 @@ def serve(
     """One OpenAI server for ``mode``; ``more``: more of the kvray modes' connector
     config."""
     kvray = None
-    if mode in ("kvray", "staged", "nock", "async"):
+    if mode in KVRAY_MODES:
         kvray = {
             "pool_name": "bench-nock" if mode == "nock" else "bench",
-            "load_async": mode == "async",
+            "load_async": {"async": True, "auto": "auto"}.get(mode, False),
             "kv_placement": "staged" if mode == "staged" else "shared",
             "model_namespace": f"bench-serve-{mode}",
             **(more or {}),
@@ -155,10 +159,11 @@ def main() -> int:
     pool_memory_arg(parser)
     args = parse(parser, SMOKE)
     modes = args.modes.split(",")
-    unknown = set(modes) - {*MODES, "staged", "nock", "async"}
+    unknown = set(modes) - {*MODES, *KVRAY_MODES}
     if unknown:
         parser.error(
-            f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}, staged, nock, async"
+            f"unknown modes {sorted(unknown)}; choose from "
+            f"{', '.join(sorted({*MODES, *KVRAY_MODES}))}"
         )
     if args.reps < 1:
         parser.error("--reps must be >= 1")
@@ -185,7 +190,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     pool: Any = None
     try:
-        if {"kvray", "staged", "nock", "async"} & set(modes):
+        if set(KVRAY_MODES) & set(modes):
             pool, env["RAY_ADDRESS"] = start_bench_pool(
                 args.pool_memory, "512MB", master=master_settings.model_dump()
             )

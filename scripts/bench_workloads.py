@@ -36,6 +36,8 @@ paused with SIGSTOP):
 - ``kvray-async``, ``kvray-pc-async``: the same with ``load_async: true`` (each request's
   hit loaded in a step of its own, reported as it lands, the request computed in the next
   step; by default a step's hits load before its forward);
+- ``kvray-auto``, ``kvray-pc-auto``: the same with ``load_async: auto`` (a step's first
+  hit loaded before its forward, the step's further hits beside it);
 - ``peer``: vLLM's MooncakeStoreConnector, prefix caching off (as bench_serve.py runs it);
 - ``peer-pc``: the same with vLLM's prefix cache on.
 
@@ -88,8 +90,19 @@ from _stats import paired_ratio  # noqa: E402
 from kvray.testing.server import Server  # noqa: E402
 
 WORKLOADS = ("chat", "ucm", "prefix_repetition")
-ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "kvray-async", "kvray-pc-async", "peer",
-        "peer-pc")  # fmt: skip
+ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "kvray-async", "kvray-pc-async",
+        "kvray-auto", "kvray-pc-auto", "peer", "peer-pc")  # fmt: skip
+LOAD_ASYNC = {"-async": True, "-auto": "auto"}
+"""An arm's suffix -> the ``load_async`` it runs kvray with (the default without one)."""
+
+
+def base_arm(arm: str) -> str:
+    """The arm without its ``load_async`` suffix."""
+    for suffix in LOAD_ASYNC:
+        arm = arm.removesuffix(suffix)
+    return arm
+
+
 DEFAULT_ARMS = {"chat": "none,local,ideal,kvray,kvray-pc,peer"}
 """``--arms``'s default per workload (else :data:`OTHER_ARMS`)."""
 OTHER_ARMS = "none,local,kvray,kvray-pc,peer"
@@ -322,9 +335,10 @@ def start_arms(
             aenv.update(peer_env)
         elif arm.startswith("kvray"):
             kvray = {"pool_name": "bench", "model_namespace": f"workloads-{arm}", **args.connector}
-            if arm.endswith("-async"):
-                kvray["load_async"] = True
-        caching = arm.removesuffix("-async") in ("local", "ideal", "kvray-pc", "peer-pc")
+            for suffix, load_async in LOAD_ASYNC.items():
+                if arm.endswith(suffix):
+                    kvray["load_async"] = load_async
+        caching = base_arm(arm) in ("local", "ideal", "kvray-pc", "peer-pc")
         servers[arm] = s = serve_arm(
             arm, model, max_len, aenv, tmp, prefix_caching=caching,
             kvray=kvray, peer=arm.startswith("peer"), extra=extra,
@@ -434,12 +448,14 @@ CHAT_TARGETS = (
     ("ideal", "local", "p50_ttft_ms", None),
     ("kvray-pc-async", "kvray-pc", "p50_ttft_ms", None),
     ("kvray-pc-async", "kvray-pc", "p90_ttft_ms", None),
+    ("kvray-pc-auto", "kvray-pc", "p50_ttft_ms", None),
+    ("kvray-pc-auto", "kvray-pc", "p90_ttft_ms", None),
 )
 """The chat's targets (arm, baseline arm, metric, bound on the paired ratio): kvray with
 vLLM's prefix cache on against the prefix cache alone and the peer; without a bound, what
 stands beside them: kvray against the ideal, the ideal against the prefix cache alone
 (the least any cache below the engine can reach on these prompts and cores), and kvray
-with async loads against the default."""
+with async and auto loads against the default."""
 
 
 def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
@@ -449,7 +465,7 @@ def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for arm, base, key, bound in CHAT_TARGETS:
-        if arm.endswith("-async") and arm not in arms:
+        if arm != base_arm(arm) and arm not in arms:
             continue  # (the optional arms' comparisons: only where they ran)
         metric = key.split("_")[0]
         name = f"{arm} {metric} TTFT / {base}"

@@ -55,6 +55,8 @@ class RequestState:
     estimate: Estimate | None = None
     """What loading the pool hit and computing it were estimated to cost when it was
     weighed (:mod:`kvray.connector.worth`; None: not weighed)."""
+    load_async: bool = False
+    """Its pool hit loads asynchronously (decided at lookup: ``load_async``)."""
 
     @property
     def block_ids(self) -> list[int]:

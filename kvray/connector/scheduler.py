@@ -326,6 +326,7 @@ class KVRayScheduler:
         miss = (why or "not_stored") if n - local > hit else ""
         if self._own_saves.expired(rid):  # (the counters keep the index's reason)
             miss = miss and "save_in_flight"
+        load_async = self._load_async() if external else False
         self._admit(
             RequestState(
                 request,
@@ -335,11 +336,20 @@ class KVRayScheduler:
                 miss=miss,
                 ssd_blocks=min(answer.ssd, pool_blocks),
                 estimate=estimate,
+                load_async=load_async,
             )
         )
-        if external == 0:
-            return 0, False
-        return external, self.info.config.load_async
+        return external, load_async
+
+    def _load_async(self) -> bool:
+        """Whether a hit admitted now loads asynchronously (``load_async``). ``auto``: the
+        step's first load is waited for before its forward (its request computes in the
+        step), a further one in the same step loads while that step computes (a burst of
+        hits loads in parallel instead of one after another before a forward)."""
+        mode = self.info.config.load_async
+        if mode != "auto":
+            return mode
+        return not self.info.config.use_layerwise and bool(self._loads)
 
     def _decide_load(self, blocks: int, ssd: int) -> Decision:
         """Load the hit, or compute it: measured to load slower than computing its
@@ -384,7 +394,7 @@ class KVRayScheduler:
         st.set_blocks(blocks.get_block_ids())
         if num_external_tokens <= 0:
             return
-        load_async = self.info.config.load_async
+        load_async = st.load_async
         self._worth.planned(
             request.request_id, st.pool_blocks, st.ssd_blocks, load_async=load_async
         )

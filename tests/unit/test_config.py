@@ -147,6 +147,7 @@ def test_connector_extra_config_keys():
         ),
         ({"lookup_rpc_port": -1}, "lookup_rpc_port"),
         ({"load_asynch": True}, "unknown field"),
+        ({"load_async": "sometimes"}, "load_async"),
     ],
 )
 def test_connector_config_errors(data, fragment):

@@ -333,6 +333,25 @@ def test_async_loads_are_planned_as_such():
     assert not s.step({"r1": 6}).idle
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["plain", "layerwise"])
+def test_auto_loads_a_steps_first_hit_sync_and_the_rest_beside_it(layerwise):
+    """``load_async: auto``: the first hit admitted to a step is loaded before its forward
+    (its request computes in the step); later hits of the same step load asynchronously,
+    beside it. The next step starts over. With ``use_layerwise``, every hit is sync."""
+    s = Sched(load_async="auto", use_layerwise=layerwise)
+    s.lookup.answer = answered(4)
+    reqs = [s.request(f"r{i}", 70, first=1000 * (i + 1)) for i in range(4)]
+    got = []
+    for i, req in enumerate(reqs[:3]):
+        got.append(s.sched.get_num_new_matched_tokens(req, 0))
+        s.alloc(req, [10 * i + b for b in range(5)], 64)
+    meta = s.step({"r0": 6})
+    assert got == [(64, False), (64, not layerwise), (64, not layerwise)]
+    assert [op.req_id for op in meta.loads] == (["r0", "r1", "r2"] if layerwise else ["r0"])
+    assert [op.req_id for op in meta.async_loads] == ([] if layerwise else ["r1", "r2"])
+    assert s.sched.get_num_new_matched_tokens(reqs[3], 0) == (64, False)  # a new step
+
+
 def test_a_failed_lookup_is_a_miss_counted_as_lookup_error(caplog):
     s = Sched()
     error = BackendUnavailableError("FakeLookup.lookup: pool actor unavailable")

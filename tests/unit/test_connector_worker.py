@@ -448,3 +448,38 @@ def test_the_handshake_names_the_node_and_slot_the_worker_loads_through(monkeypa
     finally:
         w.shutdown()
         pool.close()
+
+
+class SentBeforeWait(AnsweringWaits):
+    """:class:`AnsweringWaits` noting, at each wait for a sync load's results, the gets
+    sent so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: Any = None
+        self.sent_at_wait: list[int] = []
+
+    def results(self, calls: Any, timeout_s: float | None) -> list[Any]:
+        self.sent_at_wait.append(sum(m == "get" for m, _, _ in self.store.calls))
+        self.ready(calls, timeout_s or 1.0, every=True)
+        return super().results(calls, timeout_s)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_steps_async_loads_are_sent_before_its_sync_load_is_waited_for(engine, placement):
+    """A step with a sync load (its request computes in the step) and async ones (a
+    burst's further hits): the async ones load beside the sync one, not after it."""
+    waits = SentBeforeWait()
+    e = engine(placement, waits=waits)
+    waits.store = e.store
+    e.run_step(saves=[BlockOp("a", _hashes(1, 2, 3), (1, 2, 3))])
+    e.worker.get_finished(set())
+    waits.sent_at_wait.clear()
+    e.store.hang = True
+    gets = sum(m == "get" for m, _, _ in e.store.calls)
+    sync = [BlockOp("b", _hashes(1), (5,))]
+    later = [BlockOp("c", _hashes(2), (6,)), BlockOp("d", _hashes(3), (7,))]
+    e.run_step(loads=sync, async_loads=later)
+    assert waits.sent_at_wait == [gets + 3]  # all three out before the one wait
+    assert _same(e.block(5), e.block(1))  # the sync load is in before the forward
+    assert e.worker.get_block_ids_with_load_errors() == set()

@@ -234,5 +234,7 @@ def test_for_groups_turns_an_absent_load_async_on_and_keeps_an_explicit_true():
     assert _for_groups(absent, 2).load_async is True
     explicit = validate(ConnectorConfig, {"load_async": True}, source="test")
     assert _for_groups(explicit, 2).load_async is True
+    auto = validate(ConnectorConfig, {"load_async": "auto"}, source="test")
+    assert _for_groups(auto, 2).load_async is True  # a hybrid model's loads: async
     with pytest.raises(ConfigError, match="^load_async"):
         _for_groups(validate(ConnectorConfig, {"load_async": False}, source="test"), 2)

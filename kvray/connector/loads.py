@@ -136,23 +136,18 @@ class Loader:
     # ---- a step's loads ------------------------------------------------------------------
 
     def start(self, loads: list[BlockOp], async_loads: list[BlockOp]) -> None:
-        """Send the step's loads; sync ones (not layer-wise) end here. The async ones go
-        out right after the first sync part, before it is waited for: they load beside
-        it."""
+        """Send the step's loads; sync ones (not layer-wise) end here, before the async
+        ones are sent: the whole step waits for the sync ones, so they have the
+        BackendClient to themselves (sent beside them, a burst's async loads made the
+        step's sync load as slow as all of them)."""
         if self._region.layerwise and loads and self._region.fits(loads):
             self._start_layerwise(loads)
             loads = []
-        chunks = list(self._region.chunks(loads))
-        first = self._send_now(chunks[0]) if chunks else None
+        for chunk in self._region.chunks(loads):
+            self._load_now(chunk)
         for ops in by_request(async_loads):
             for chunk in self._region.chunks(ops):
                 self._send_async(chunk)
-        if first is not None:
-            self._end_now(*first)
-        for chunk in chunks[1:]:
-            sent = self._send_now(chunk)
-            if sent is not None:
-                self._end_now(*sent)
 
     def _reserve(self, ops: list[BlockOp], n: int) -> tuple[bool, int | None]:
         """(got slots, first slot): shared needs none; staged fails the ops when staging
@@ -165,53 +160,29 @@ class Loader:
             return False, None
         return True, first
 
-    def _send_now(
-        self, chunk: list[BlockOp]
-    ) -> tuple[list[BlockOp], int | None, list[Call[list[KeyStatus]]]] | None:
-        """Send a sync load's calls: (its ops, first staging slot, calls), or None: failed
-        already (staging full, or the send failed: accounted)."""
+    def _load_now(self, chunk: list[BlockOp]) -> None:
         n = sum(len(op.block_ids) for op in chunk)
         ok, first = self._reserve(chunk, n)
         if not ok:
-            return None
+            return
+        batches = self._region.batches(chunk, first)
         calls: list[Call[list[KeyStatus]]] = []
         try:
-            for batch in self._region.batches(chunk, first):
-                calls.append(self._store.get(batch))
-        except KVRayError as exc:
-            self._failed_now(chunk, first, calls, exc)
-            return None
-        return chunk, first, calls
-
-    def _end_now(
-        self, chunk: list[BlockOp], first: int | None, calls: list[Call[list[KeyStatus]]]
-    ) -> None:
-        """Wait for a sync load sent by :meth:`_send_now`, then scatter and account it."""
-        try:
+            calls = [self._store.get(b) for b in batches]
             statuses = self._region.combine(self._waits.results(calls, self._timeout_s))
             self._count_served(calls)
         except KVRayError as exc:
-            self._failed_now(chunk, first, calls, exc)
-            return
+            logger.warning("rank %d: load of %d blocks failed: %s", self._rank, n, exc)
+            statuses = [KeyStatus.ERROR] * n
+            if first is not None:
+                assert self._slots is not None
+                # A call still running may write these slots later: they stay held
+                # until it ended, so no other transfer can be handed its bytes.
+                self._slots.hold(calls, first, n)
+                first = None
         if first is not None:
             self._scatter(chunk, first, statuses)
         self._account(chunk, statuses)
-
-    def _failed_now(
-        self,
-        chunk: list[BlockOp],
-        first: int | None,
-        calls: list[Call[list[KeyStatus]]],
-        exc: KVRayError,
-    ) -> None:
-        n = sum(len(op.block_ids) for op in chunk)
-        logger.warning("rank %d: load of %d blocks failed: %s", self._rank, n, exc)
-        if first is not None:
-            assert self._slots is not None
-            # A call still running may write these slots later: they stay held until it
-            # ended, so no other transfer can be handed its bytes.
-            self._slots.hold(calls, first, n)
-        self._account(chunk, [KeyStatus.ERROR] * n)
 
     def _send_async(self, chunk: list[BlockOp]) -> None:
         n = sum(len(op.block_ids) for op in chunk)

@@ -466,9 +466,10 @@ class SentBeforeWait(AnsweringWaits):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_steps_async_loads_are_sent_before_its_sync_load_is_waited_for(engine, placement):
+def test_a_steps_sync_load_is_served_before_its_async_loads_are_sent(engine, placement):
     """A step with a sync load (its request computes in the step) and async ones (a
-    burst's further hits): the async ones load beside the sync one, not after it."""
+    burst's further hits): the step waits for the sync one alone, then sends the async
+    ones, which load while the step computes."""
     waits = SentBeforeWait()
     e = engine(placement, waits=waits)
     waits.store = e.store
@@ -480,6 +481,7 @@ def test_a_steps_async_loads_are_sent_before_its_sync_load_is_waited_for(engine,
     sync = [BlockOp("b", _hashes(1), (5,))]
     later = [BlockOp("c", _hashes(2), (6,)), BlockOp("d", _hashes(3), (7,))]
     e.run_step(loads=sync, async_loads=later)
-    assert waits.sent_at_wait == [gets + 3]  # all three out before the one wait
+    assert waits.sent_at_wait == [gets + 1]  # the sync load alone when it was waited for
+    assert sum(m == "get" for m, _, _ in e.store.calls) == gets + 3  # then the async ones
     assert _same(e.block(5), e.block(1))  # the sync load is in before the forward
     assert e.worker.get_block_ids_with_load_errors() == set()

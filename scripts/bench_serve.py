@@ -9,13 +9,14 @@ SIGSTOP so their background threads do not take the measured server's CPU):
 - ``local``: vLLM's prefix cache (the ideal on run 2: nothing to move);
 - ``peer``: vLLM's MooncakeStoreConnector (in-process Mooncake client, embedded mode,
   its own mooncake_master with the kvray master's settings), prefix caching off;
-- ``kvray``: KVRayConnector on a kvray pool, prefix caching off;
+- ``kvray``: KVRayConnector on a kvray pool, prefix caching off (its default
+  ``load_async: auto``);
 - ``staged``: the same through the ``staged`` placement (with ``--modes ...,staged``);
 - ``async``: ``kvray`` with ``load_async: true`` (with ``--modes ...,async``): each
   request's blocks load in a step of their own, reported per request as they land, and it
   computes in the next step;
-- ``auto``: ``kvray`` with ``load_async: auto`` (with ``--modes ...,auto``): a step's first
-  hit loads before its forward, the step's further hits beside it, as ``async``;
+- ``sync``: ``kvray`` with ``load_async: false`` (with ``--modes ...,sync``): every hit of a
+  step loads before its forward;
 - ``nock``: ``kvray`` on a second pool without block checksums (with ``--modes ...,nock``):
   with ``kvray`` beside it, the run prints what checksums cost run 2's mean TTFT (median of
   the per-rep ratios, 95 % bootstrap interval).
@@ -68,7 +69,7 @@ from _stats import paired_ratio, pct  # noqa: E402
 from kvray.testing.server import Server  # noqa: E402
 
 MODES = ("none", "local", "peer", "kvray")
-KVRAY_MODES = ("kvray", "staged", "nock", "async", "auto")
+KVRAY_MODES = ("kvray", "staged", "nock", "async", "sync")
 """The modes that run KVRayConnector."""
 SMOKE = ["--modes", "peer,kvray", "--input-len", "256", "--num-prompts", "2", "--reps", "1",
          "--kv-cache-gb", "1", "--pool-memory", SMOKE_POOL_MEMORY]  # fmt: skip
@@ -92,9 +93,9 @@ def serve(
     if mode in KVRAY_MODES:
         kvray = {
             "pool_name": "bench-nock" if mode == "nock" else "bench",
-            "load_async": {"async": True, "auto": "auto"}.get(mode, False),
             "kv_placement": "staged" if mode == "staged" else "shared",
             "model_namespace": f"bench-serve-{mode}",
+            **({"load_async": mode == "async"} if mode in ("async", "sync") else {}),
             **(more or {}),
         }
     return serve_arm(

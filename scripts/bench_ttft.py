@@ -237,8 +237,9 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         spec["prefix_caching"] = states
         extra = {
             "pool_name": OWN_POOLS[name][0] if name in OWN_POOLS else "bench",
-            # (a hybrid model's loads are async: vLLM takes their failures per request only)
-            "load_async": family != "llama" or name == "async",
+            # (a hybrid model's loads are async: vLLM takes their failures per request only;
+            # else the default, whose lone hit loads before its forward)
+            **({"load_async": True} if family != "llama" or name == "async" else {}),
             "kv_placement": "staged" if name == "staged" else "shared",
             "model_namespace": f"bench-{name}",  # each configuration seeds its own blocks
         }

@@ -35,9 +35,9 @@ paused with SIGSTOP):
   own cache);
 - ``kvray-async``, ``kvray-pc-async``: the same with ``load_async: true`` (each request's
   hit loaded in a step of its own, reported as it lands, the request computed in the next
-  step; by default a step's hits load before its forward);
-- ``kvray-auto``, ``kvray-pc-auto``: the same with ``load_async: auto`` (a step's first
-  hit loaded before its forward, the step's further hits beside it);
+  step; by default only a step's second and later hits do);
+- ``kvray-sync``, ``kvray-pc-sync``: the same with ``load_async: false`` (every hit of a
+  step loaded before its forward);
 - ``peer``: vLLM's MooncakeStoreConnector, prefix caching off (as bench_serve.py runs it);
 - ``peer-pc``: the same with vLLM's prefix cache on.
 
@@ -91,8 +91,8 @@ from kvray.testing.server import Server  # noqa: E402
 
 WORKLOADS = ("chat", "ucm", "prefix_repetition")
 ARMS = ("none", "local", "ideal", "kvray", "kvray-pc", "kvray-async", "kvray-pc-async",
-        "kvray-auto", "kvray-pc-auto", "peer", "peer-pc")  # fmt: skip
-LOAD_ASYNC = {"-async": True, "-auto": "auto"}
+        "kvray-sync", "kvray-pc-sync", "peer", "peer-pc")  # fmt: skip
+LOAD_ASYNC = {"-async": True, "-sync": False}
 """An arm's suffix -> the ``load_async`` it runs kvray with (the default without one)."""
 
 
@@ -448,14 +448,14 @@ CHAT_TARGETS = (
     ("ideal", "local", "p50_ttft_ms", None),
     ("kvray-pc-async", "kvray-pc", "p50_ttft_ms", None),
     ("kvray-pc-async", "kvray-pc", "p90_ttft_ms", None),
-    ("kvray-pc-auto", "kvray-pc", "p50_ttft_ms", None),
-    ("kvray-pc-auto", "kvray-pc", "p90_ttft_ms", None),
+    ("kvray-pc-sync", "kvray-pc", "p50_ttft_ms", None),
+    ("kvray-pc-sync", "kvray-pc", "p90_ttft_ms", None),
 )
 """The chat's targets (arm, baseline arm, metric, bound on the paired ratio): kvray with
 vLLM's prefix cache on against the prefix cache alone and the peer; without a bound, what
 stands beside them: kvray against the ideal, the ideal against the prefix cache alone
 (the least any cache below the engine can reach on these prompts and cores), and kvray
-with async and auto loads against the default."""
+with async and sync loads against the default (``auto``)."""
 
 
 def chat_targets(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:

@@ -121,7 +121,7 @@ def main() -> int:
             "kv_connector_module_path": "kvray.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"pool_name": "kvray", "load_async": False},
+            "kv_connector_extra_config": {"pool_name": "kvray"},
         },
     )
     print(f"   engine up in {time.monotonic() - t0:.1f} s")

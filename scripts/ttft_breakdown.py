@@ -151,7 +151,7 @@ def main() -> int:
             "kv_transfer_config": kvray_transfer_config(
                 {
                     "pool_name": "bench",
-                    "load_async": hybrid,
+                    **({"load_async": True} if hybrid else {}),
                     "kv_placement": args.placement,
                     "model_namespace": "bench-breakdown",
                 }

@@ -35,14 +35,14 @@ class ConnectorConfig(_Strict):
     so that existing configs work, and ignored."""
     mooncake_rpc_port: int = Field(0, ge=0, le=65535)
     """AscendStoreConnector's deprecated name of ``lookup_rpc_port``: ignored alike."""
-    load_async: bool | Literal["auto"] = False
-    """Load pool hits asynchronously (reported through ``get_finished``): each request's
-    blocks load beside the step running, and the request computes in a later step.
-    ``false``: synchronously, waited for before the forward of the step that computes the
-    request. ``"auto"``: a step's first load synchronously (its request computes in that
-    step, with no step of its own), the same step's further loads asynchronously (they
-    load while that step computes); with ``use_layerwise``, synchronously. Hybrid models
-    load asynchronously whatever is set (``false`` is refused)."""
+    load_async: bool | Literal["auto"] = "auto"
+    """``"auto"`` (the default): a step's first pool hit loads synchronously (its request
+    computes in that step, with no step of its own), the same step's further hits
+    asynchronously (they load while that step computes); with ``use_layerwise``, every
+    hit synchronously. ``true``: every hit asynchronously (reported through
+    ``get_finished``; its request computes in a later step). ``false``: every hit
+    synchronously, waited for before the forward of the step that computes its request.
+    Hybrid models load asynchronously whatever is set (``false`` is refused)."""
     recompute_slow_hits: bool = True
     """Compute a pool hit rather than load it when this engine measured its load to be
     slower than computing its tokens (short hits, a slow SSD tier); counted as the miss

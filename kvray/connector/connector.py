@@ -7,7 +7,7 @@ only :class:`~kvray.connector.metadata.KVRayMetadata` crosses between them.
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"pool_name": "kvray", "load_async": False},
+        "kv_connector_extra_config": {"pool_name": "kvray"},
     }
 """
 

@@ -195,7 +195,7 @@ def test_a_hybrid_instance_keys_every_group_and_loads_asynchronously():
 def test_a_model_of_one_group_keeps_its_load_mode():
     info = instance_info(_vllm_config(), _config(_full()))
     assert info.space.kv_groups == 1 and info.space.state_groups == ()
-    assert info.config.load_async is False
+    assert info.config.load_async == "auto"
 
 
 def test_a_model_of_only_states_is_refused():
@@ -230,7 +230,7 @@ def test_layerwise_is_taken_for_a_hybrid_model_and_one_layer_group_only_for_one(
 
 def test_for_groups_turns_an_absent_load_async_on_and_keeps_an_explicit_true():
     absent = validate(ConnectorConfig, {"model_namespace": "unit"}, source="test")
-    assert absent.load_async is False
+    assert absent.load_async == "auto"
     assert _for_groups(absent, 2).load_async is True
     explicit = validate(ConnectorConfig, {"load_async": True}, source="test")
     assert _for_groups(explicit, 2).load_async is True

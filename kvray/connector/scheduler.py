@@ -344,8 +344,8 @@ class KVRayScheduler:
     def _load_async(self) -> bool:
         """Whether a hit admitted now loads asynchronously (``load_async``). ``auto``: the
         step's first load is waited for before its forward (its request computes in the
-        step), a further one in the same step loads while that step computes (a burst of
-        hits loads in parallel instead of one after another before a forward)."""
+        step), a further one in the same step loads while that step computes (its request
+        computes in a later step, the step's forward not waiting for it)."""
         mode = self.info.config.load_async
         if mode != "auto":
             return mode

@@ -508,12 +508,11 @@ class KVRayScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         times = getattr(output, "kv_connector_worker_meta", None)
-        if isinstance(times, StepTimes):
-            self._timelines.async_served(times.async_served_ms)
-            self._worth.async_served(times.async_served_ms)
         if output.finished_recving:
             self._timelines.async_loaded(output.finished_recving)
         if isinstance(times, StepTimes):
+            self._timelines.async_served(times.async_served_ms)
+            self._worth.async_served(times.async_served_ms)
             self._timelines.step_times(times)
             failed = bool(output.invalid_block_ids)
             self._worth.step_done(

@@ -2,7 +2,9 @@
 
 Every value is stored as the block's pieces followed by an 8-byte trailer, the xxh3-64 of
 the key and the pieces. The trailer is one more piece of the same batch call, so it is
-written with the block (stored whole or absent, as the block is) and read with it. On a
+written with the block (stored whole or absent, as the block is) and read with it (on
+Mooncake it takes the block into the allocator's next size class, usually an eighth
+more segment: docs/reliability.md, "Block checksums"). On a
 load the pieces' digest is computed from the destination memory before the call returns
 (where the adapter copies values out itself, from the value right before its copy);
 a block whose digest differs is reported :attr:`KeyStatus.CORRUPT` (the caller reports a

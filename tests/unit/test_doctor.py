@@ -175,7 +175,11 @@ def test_checksums_are_on_by_default_and_their_absence_is_said():
     default = pool(mooncake={"protocol": "tcp"})
     assert default.checksum is True
     found = doctor.check_pool(default, {}, HOST)
-    assert [f.level for f in found if f.check == "checksums"] == ["ok"]
+    (ok,) = [f for f in found if f.check == "checksums"]
+    assert ok.level == "ok" and "an eighth more of the segment" in ok.what
+    yuanrong = doctor.check_pool(pool(backend="yuanrong"), {}, HOST)
+    (ok,) = [f for f in yuanrong if f.check == "checksums"]
+    assert ok.level == "ok" and "segment" not in ok.what
     off = doctor.check_pool(pool(mooncake={"protocol": "tcp"}, checksum=False), {}, HOST)
     (w,) = warnings(off, "checksums")
     assert "checksum is false" in w.what and "remove checksum: false" in w.fix

@@ -127,6 +127,14 @@ class BackendClientActor:
             ]
             await self._index.publish(changes)
 
+    async def reconcile_all(self) -> int:
+        """Ask the backend about every DRAM key this client stored, over the sweep's next
+        passes (the pool's server let a segment go); how many (0: no block index)."""
+        if self._index is None or self._index.sweep is None:
+            return 0
+        self._ensure_background()
+        return self._index.sweep.ask_all()
+
     async def probe(self) -> dict[str, Any]:
         self._ensure_background()
         return {

@@ -23,7 +23,7 @@ from kvray.index import prefix_match
 from kvray.index.kv_events import Described, KVEventsHub
 from kvray.index.ledger import Changes
 from kvray.index.long_poll import LongPoll
-from kvray.index.node_loss import DramClient, NodeLossWatch
+from kvray.index.node_loss import DramClient, NodeLossWatch, SegmentLoss
 from kvray.index.prefix_match import PrefixMatch
 from kvray.index.stream import IndexChange, IndexHub, IndexUpdate
 from kvray.keys import KeySpace
@@ -65,6 +65,9 @@ class _DramAsk:
 
     def dram_exists(self, keys: list[str]) -> Awaitable[list[bool]]:
         return self._client.dram_exists(keys).aresult(self._timeout_s)
+
+    def reconcile_all(self) -> Awaitable[int]:
+        return self._client.reconcile_all().aresult(self._timeout_s)
 
 
 class PoolManagerActor:
@@ -108,6 +111,8 @@ class PoolManagerActor:
         self._nodes_at_start = nodes_at_start
         self._events = self._start_events(alive)
         self._node_watch = self._make_node_watch()
+        self._segment_pass: asyncio.Task[None] | None = None
+        self._segment_why: str | None = None
         if take_back or remote.restarted():
             self._take_back(set(alive))
 
@@ -204,10 +209,14 @@ class PoolManagerActor:
         """The embedded server's own view (the master's capacity, used, keys, evictions)
         as the pool's metrics, and for ``kvray status``."""
         exporter, warn = None, WarnOnce(logger)
+        segments = SegmentLoss()
         while True:
             try:
                 values = await asyncio.to_thread(metrics.scrape, url)
                 self._server_metrics = {k: v for k, v in values.items() if k in metrics.SERVER_KEYS}
+                why = segments.seen(values)
+                if why is not None and self._node_watch is not None:
+                    self._segment_lost(why)
                 if exporter is None:
                     exporter = metrics.StatsExporter(self._config.name, "manager", self._node_id)
                 exporter.export_server(self._server_metrics)
@@ -222,6 +231,26 @@ class PoolManagerActor:
                 )
             # Read every second where the block indexes need its eviction counter.
             await asyncio.sleep(1.0 if self._index is not None else metrics.EXPORT_S)
+
+    def _segment_lost(self, why: str) -> None:
+        """Reconcile the block index with a segment the server let go
+        (:meth:`NodeLossWatch.segment_lost`), one pass at a time: a loss seen during one
+        is reconciled by another pass after it."""
+        self._segment_why = why
+        if self._segment_pass is not None and not self._segment_pass.done():
+            return
+
+        async def passes() -> None:
+            assert self._node_watch is not None
+            while self._segment_why is not None:
+                why, self._segment_why = self._segment_why, None
+                try:
+                    await self._node_watch.segment_lost(why)
+                except Exception:
+                    name = self._config.name
+                    logger.exception("pool %s: reconciling a lost segment failed", name)
+
+        self._segment_pass = asyncio.get_running_loop().create_task(passes())
 
     async def server_metrics(self) -> dict[str, float]:
         """The embedded server's latest own counters (empty: none, or not read yet)."""

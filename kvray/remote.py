@@ -327,6 +327,11 @@ class StoreHandle(Handle):
     def remove(self, keys: Sequence[str], force: bool = False) -> Call[list[KeyStatus]]:
         return self._call("remove", list(keys), force)
 
+    def reconcile_all(self) -> Call[int]:
+        """A BackendClient asks the backend about every DRAM key it stored (its eviction
+        sweep's next passes) and publishes the gone ones; how many it will ask about."""
+        return self._call("reconcile_all")
+
     def map_region(self, spec: RegionSpec) -> Call[None]:
         return self._call("map_region", spec)
 

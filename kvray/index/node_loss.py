@@ -1,5 +1,5 @@
-"""The pool manager's watch for lost nodes: the block index reconciled with each node Ray
-no longer lists, once per node.
+"""The pool manager's watch for lost memory: the block index reconciled with each node Ray
+no longer lists, once per node, and with each segment the pool's server let go.
 
 A lost node takes with it the SSD tiers of its places (as far as the pool reaches them):
 their entries leave the hub's index (:meth:`~kvray.index.stream.IndexHub.node_lost`). Its
@@ -9,6 +9,16 @@ DRAM are asked of a client on a live node, and those the backend no longer holds
 recorded gone (the nodes' indexes and the events stop showing them). A backend may drop a
 dead client's memory later than Ray declares its node dead, so the DRAM check runs again
 :data:`NODE_RECHECK_S` later.
+
+A live client's segment goes too: the Mooncake master drops a client that missed its
+heartbeats for ``client_ttl`` (a stalled process on a busy host), with every object in its
+segment, and the client mounts it again, empty, once it runs; a client closed or
+restarted takes its segment with it. Nothing is evicted, so the eviction sweep's counter
+does not move. The manager reads the embedded master's metrics every second
+(:class:`SegmentLoss` says when they show a segment gone), and :meth:`NodeLossWatch.
+segment_lost` then has every client on a live node ask the backend about every DRAM key
+it stored (its sweep's next passes, which publish the gone ones), and does the DRAM check
+of the announced blocks above.
 
 Each step catches and logs its failure; the watch goes on (a reconcile loop). The manager
 actor wires it to Ray (the alive nodes, its clients); here it needs none.
@@ -41,6 +51,51 @@ class DramClient(Protocol):
     """A pool client that answers whether the DRAM tier holds keys (a BackendClient)."""
 
     def dram_exists(self, keys: list[str]) -> Awaitable[list[bool]]: ...
+
+    def reconcile_all(self) -> Awaitable[int]:
+        """Ask the backend about every DRAM key it stored and publish the gone ones (its
+        eviction sweep); how many it will ask about."""
+        ...
+
+
+SEGMENT_METRICS = (
+    "master_total_capacity_bytes",
+    "master_active_clients",
+    "master_mount_segment_requests_total",
+    "master_remount_segment_requests_total",
+    "master_unmount_segment_requests_total",
+)
+"""The Mooncake master's metrics :class:`SegmentLoss` reads."""
+
+
+class SegmentLoss:
+    """Whether a Mooncake master let a client's segment go between two reads of its
+    metrics (:data:`SEGMENT_METRICS`): its capacity or its active clients fell (a client
+    dropped after ``client_ttl``, or closed), a segment was unmounted, or a client
+    mounted its segment again (a client dropped while it stalled; a new client counts a
+    mount and a remount, measured on Mooncake 0.3, so only remounts beyond mounts)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] | None = None
+
+    def seen(self, values: dict[str, float]) -> str | None:
+        """Read ``values`` (a scrape); why a segment went since the last read, or None."""
+        now = {k: values[k] for k in SEGMENT_METRICS if k in values}
+        last, self._last = self._last, now
+
+        def moved(key: str) -> float:
+            return now[key] - last[key] if last is not None and key in now and key in last else 0
+
+        if moved("master_total_capacity_bytes") < 0:
+            return f"its capacity fell by {-int(moved('master_total_capacity_bytes'))} bytes"
+        if moved("master_active_clients") < 0:
+            return f"{-int(moved('master_active_clients'))} client(s) left"
+        if moved("master_unmount_segment_requests_total") > 0:
+            return "a client unmounted its segment"
+        remounts = moved("master_remount_segment_requests_total")
+        if remounts - moved("master_mount_segment_requests_total") > 0:
+            return "a client mounted its segment again"
+        return None
 
 
 class AnnouncedBlocks(Protocol):
@@ -127,6 +182,28 @@ class NodeLossWatch:
             "announced DRAM keys found gone",
             self._pool, node[:12], ssd, dram,
         )  # fmt: skip
+
+    async def segment_lost(self, why: str) -> tuple[int, int]:
+        """The server let a segment go (``why``, :class:`SegmentLoss`): every client on a
+        live node asks the backend about every DRAM key it stored, and the announced DRAM
+        blocks are checked; returns (keys the clients will ask about, announced keys
+        found gone)."""
+        alive = await self._alive()
+        asks = [c.reconcile_all() for node, c in self._clients() if node in alive]
+        asked = 0
+        for answer in await asyncio.gather(*asks, return_exceptions=True):
+            if isinstance(answer, BaseException):
+                logger.warning("pool %s: a client did not take the ask to reconcile: %s",
+                               self._pool, answer)  # fmt: skip
+            else:
+                asked += answer
+        dram = await self.drop_gone_dram(alive)
+        logger.warning(
+            "pool %s: the server let a segment go (%s): the clients ask about the %d DRAM "
+            "keys they stored; %d announced DRAM keys found gone",
+            self._pool, why, asked, dram,
+        )  # fmt: skip
+        return asked, dram
 
     async def _recheck_later(self, node: str) -> None:
         await asyncio.sleep(self._recheck_s)

@@ -66,6 +66,8 @@ class EvictionSweep:
         """The server's eviction counter at the last pass (None: not known)."""
         self.seen_evicted: int | None = None
         """The latest counter the manager reported."""
+        self._all_left = 0
+        """Keys still to ask about in a pass over all of them (:meth:`ask_all`)."""
         self.swept = 0
         self.found_gone = 0
 
@@ -83,12 +85,24 @@ class EvictionSweep:
         for key in keys:
             self._keys.pop(key, None)
 
+    def ask_all(self) -> int:
+        """Ask about every key kept, :data:`SWEEP_MAX` per pass from the next one on (the
+        server let a segment go: its blocks are gone whatever their age); how many."""
+        self._all_left = len(self._keys)
+        return self._all_left
+
     def due(self) -> list[str]:
-        """The oldest keys to ask about now: as many as the server evicted since the last
-        pass, four times over (it evicts across every client's keys), at least 256 and
-        at most :data:`SWEEP_MAX`; :data:`SWEEP_BLIND` when the counter is unknown; none
-        when it did not move. The first counter seen counts from 0: the keys stored
-        before it was read may be among what it counts."""
+        """The oldest keys to ask about now. In a pass over all of them
+        (:meth:`ask_all`), the next :data:`SWEEP_MAX`. Else as many as the server
+        evicted since the last pass, four times over (it evicts across every client's
+        keys), at least 256 and at most :data:`SWEEP_MAX`; :data:`SWEEP_BLIND` when the
+        counter is unknown; none when it did not move. The first counter seen counts
+        from 0: the keys stored before it was read may be among what it counts."""
+        if self._all_left > 0:
+            # (Each pass moves the keys still there to the back: the oldest are the next.)
+            n = min(SWEEP_MAX, self._all_left, len(self._keys))
+            self._all_left = 0 if n == 0 else self._all_left - n
+            return list(itertools.islice(self._keys, n))
         now = self.seen_evicted
         if now is None:
             n = SWEEP_BLIND

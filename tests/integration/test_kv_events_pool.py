@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from kvray import Pool
@@ -101,6 +102,91 @@ def test_events_match_the_pool_through_stores_removes_and_a_lost_block(
                 late.close()
         finally:
             sub.close()
+        pool.shutdown()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("events", [True, False], ids=["kv_events", "index_only"])
+def test_a_live_clients_segment_the_master_dropped_leaves_the_index(ray_cluster, events):
+    """A BackendClient stalled past the master's ``client_ttl`` (SIGSTOP, as a process
+    starved on a busy host): the embedded master drops it with its segment, and the
+    blocks stored there; resumed, it mounts its segment again, empty. Nothing was
+    evicted, so only the manager's reading of the master's segments can tell. The pool's
+    block index ends with the other client's blocks, exactly what exists() shows, and so
+    does a KV-events subscriber (with ``kv_events``; without, the clients' sweeps alone
+    find the gone blocks)."""
+    extra = {"kv_events": {"host": "loopback", "port": 0, "replay_port": 0}} if events else {}
+    cfg = small_config(None, lookup_index=True, **extra)
+    space = KeySpace(cfg.name, LAYOUT)
+    tokens = list(range(16 * 6))
+    hashes = chain_block_hashes(tokens, 16)
+    infos = tuple(
+        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
+        for i, h in enumerate(hashes)
+    )
+    block = np.arange(4096, dtype=np.uint8)
+    kept = {kv.ext(h) for h in hashes[:3]}
+    with Pool.start(cfg) as pool:
+        ends = pool.kv_events() if events else None
+        sub = kv.Subscriber(ends["endpoint"], ends["replay"], TOPIC) if ends else None
+        stalled = psutil.Process(pool._h.client(1).probe().result(30)["pid"])
+        try:
+            time.sleep(0.3)  # (a PUB drops what it sends before a subscription reaches it)
+            if sub is not None:
+                pool._h.manager.describe_blocks([Described(space, TOPIC, 16, infos)]).result(30)
+            keys = space.rank_key_strs(hashes, 0)
+            pool.put(keys[:3], [block] * 3, rank=0)  # each client puts in its own segment
+            pool.put(keys[3:], [block] * 3, rank=1)
+            if sub is not None:
+                _settle(sub, cfg.name, {kv.ext(h) for h in hashes})
+            deadline = time.monotonic() + 30
+            while pool.prefix_match(space, hashes).dram != 6:  # the hub has both clients'
+                assert time.monotonic() < deadline, "the index never showed the 6 blocks"
+                time.sleep(0.2)
+
+            def capacity() -> float:
+                metrics = pool._h.manager.server_metrics().result(30)
+                return metrics.get("master_total_capacity_bytes", 0.0)
+
+            deadline = time.monotonic() + 30
+            while capacity() < 2 * (64 << 20):  # until the manager has read both segments
+                assert time.monotonic() < deadline, "the master never showed two segments"
+                time.sleep(0.2)
+            stalled.suspend()
+            try:
+                while capacity() >= 2 * (64 << 20):  # the master dropped the stalled client
+                    assert time.monotonic() < deadline + 30, "the master kept the segment"
+                    time.sleep(0.2)
+            finally:
+                stalled.resume()
+
+            def leading(held: set) -> int:  # type: ignore[type-arg]
+                return next((i for i, h in enumerate(hashes) if kv.ext(h) not in held), 6)
+
+            def shown() -> tuple[int, set]:  # type: ignore[type-arg]
+                if sub is not None:
+                    sub.drain(0.2)
+                return pool.prefix_match(space, hashes).dram, (
+                    sub.blocks.get(("CPU", cfg.name), set()) if sub is not None else set()
+                )
+
+            # Until the index (and the subscriber) show what exists() shows. (On a busy
+            # host the master may drop the other client too, for a while: the index must
+            # follow that as well.)
+            deadline = time.monotonic() + 60
+            while True:
+                whole = _whole(pool, space, hashes)
+                if shown() == (leading(whole), whole if sub is not None else set()):
+                    break
+                assert time.monotonic() < deadline, f"the pool holds {whole}; shown {shown()}"
+                time.sleep(0.5)
+            time.sleep(2)  # quiescence plus 2 s
+            whole = _whole(pool, space, hashes)
+            assert whole <= kept, "the stalled client's blocks outlived its segment"
+            assert shown() == (leading(whole), whole if sub is not None else set())
+        finally:
+            if sub is not None:
+                sub.close()
         pool.shutdown()
 
 

@@ -209,6 +209,27 @@ def test_eviction_sweep_asks_about_the_oldest_keys_as_the_server_evicts() -> Non
     assert sweep.due()[:1] == ["k602"]
 
 
+def test_eviction_sweep_asks_about_every_key_after_a_segment_went() -> None:
+    from kvray.store.index_publisher import SWEEP_MAX, EvictionSweep
+
+    sweep = EvictionSweep()
+    n = 2 * SWEEP_MAX + 100
+    sweep.stored([f"k{i}" for i in range(n)])
+    sweep.seen_evicted = 0
+    assert sweep.due() == []  # the eviction counter did not move
+    assert sweep.ask_all() == n
+    asked: list[str] = []
+    while keys := sweep.due():
+        present = [not k.endswith("7") for k in keys]  # the segment held these
+        sweep.checked(keys, present)
+        sweep.stored([f"new{len(asked)}"])  # stores go on meanwhile: not asked this time
+        asked += keys
+    assert sorted(asked) == sorted(f"k{i}" for i in range(n))  # each key once
+    assert sweep.found_gone == sum(1 for i in range(n) if i % 10 == 7)
+    sweep.seen_evicted = 1
+    assert len(sweep.due()) == 256  # then back to following the eviction counter
+
+
 def test_a_publisher_connects_to_its_keeper_when_asked_even_within_its_retry_pause(
     monkeypatch,
 ) -> None:

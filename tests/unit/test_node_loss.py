@@ -14,7 +14,7 @@ import pytest
 
 from kvray.index.block_index import DRAM, GONE, key_digests
 from kvray.index.kv_events import CPU
-from kvray.index.node_loss import DramClient, NodeLossWatch
+from kvray.index.node_loss import DramClient, NodeLossWatch, SegmentLoss
 from kvray.index.stream import OP_ADD, IndexChange, IndexHub
 
 
@@ -33,13 +33,22 @@ class FakeAlive:
 
 
 class FakeDramClient:
-    """FAKE BackendClient: holds ``held`` in DRAM; records each ``dram_exists`` batch;
-    ``fail`` makes the next call raise."""
+    """FAKE BackendClient: holds ``held`` in DRAM; records each ``dram_exists`` batch and
+    each ask to reconcile (answered with ``stored``); ``fail`` makes the next call raise."""
 
-    def __init__(self, held: Iterable[str] = ()) -> None:
+    def __init__(self, held: Iterable[str] = (), stored: int = 0) -> None:
         self.held = set(held)
         self.asked: list[list[str]] = []
+        self.stored = stored
+        self.reconciles = 0
         self.fail = 0
+
+    async def reconcile_all(self) -> int:
+        if self.fail:
+            self.fail -= 1
+            raise TimeoutError("reconcile_all timed out")
+        self.reconciles += 1
+        return self.stored
 
     async def dram_exists(self, keys: list[str]) -> list[bool]:
         self.asked.append(list(keys))
@@ -241,3 +250,65 @@ async def test_a_short_answer_from_the_client_is_a_failure_not_a_verdict(caplog)
         assert await w.recheck("node-a") == 0
     assert "answered 3 of 4 keys" in caplog.text
     assert tiers(hub, announced) == [DRAM] * 4
+
+
+def master(capacity: int, clients: int, mounts: int, remounts: int, unmounts: int = 0) -> dict:  # type: ignore[type-arg]
+    """The master's metrics :class:`SegmentLoss` reads, as a scrape returns them."""
+    return {
+        "master_total_capacity_bytes": float(capacity),
+        "master_active_clients": float(clients),
+        "master_mount_segment_requests_total": float(mounts),
+        "master_remount_segment_requests_total": float(remounts),
+        "master_unmount_segment_requests_total": float(unmounts),
+        "master_key_count": 200.0,
+    }
+
+
+def test_segment_loss_reads_the_masters_segments_as_mooncake_counts_them():
+    """The sequences a real mooncake_master (0.3) showed: a client joining counts a mount
+    and a remount; a client stalled past client_ttl is dropped (capacity and active
+    clients fall) and mounts again once it runs (a remount alone)."""
+    seg = 64 << 20
+    loss = SegmentLoss()
+    assert loss.seen(master(0, 0, 0, 0)) is None  # the first read: nothing to compare
+    assert loss.seen(master(seg, 1, 1, 1)) is None  # a client joined
+    assert loss.seen(master(2 * seg, 2, 2, 2)) is None  # another
+    assert loss.seen(master(2 * seg, 2, 2, 2)) is None
+    assert loss.seen(master(seg, 1, 2, 2)) == f"its capacity fell by {seg} bytes"  # dropped
+    assert loss.seen(master(2 * seg, 2, 2, 3)) == "a client mounted its segment again"
+    # Dropped and mounted again between two reads: only the remount shows.
+    assert loss.seen(master(2 * seg, 2, 2, 4)) == "a client mounted its segment again"
+    assert loss.seen(master(2 * seg, 1, 2, 4)) == "1 client(s) left"
+    assert loss.seen(master(2 * seg, 1, 2, 4, unmounts=1)) == "a client unmounted its segment"
+    assert loss.seen(master(0, 0, 0, 0)) == f"its capacity fell by {2 * seg} bytes"  # restarted
+    assert loss.seen({"master_key_count": 1.0}) is None  # not a Mooncake master's metrics
+    assert loss.seen({}) is None
+
+
+async def test_a_lost_segment_has_every_live_client_reconcile_and_checks_the_announced():
+    hub = IndexHub(4096)
+    announced = keys(5)
+    add(hub, announced)
+    events = FakeEvents(hub, announced)
+    clients = {
+        "node-a": FakeDramClient(announced[:3], stored=40),
+        "node-b": FakeDramClient(announced[:3], stored=2),
+        "node-c": FakeDramClient(stored=7),  # its node is gone: not asked
+    }
+    w = watch(hub, FakeAlive("node-a", "node-b"), clients, events)
+    assert await w.segment_lost("a client mounted its segment again") == (42, 2)
+    assert [c.reconciles for c in clients.values()] == [1, 1, 0]
+    assert tiers(hub, announced) == [DRAM] * 3 + [GONE] * 2
+    assert events.changed_digests() == {int(x) for x in key_digests(announced[3:]).tolist()}
+
+
+async def test_a_client_that_does_not_take_the_reconcile_is_logged_and_the_rest_go_on(caplog):
+    hub = IndexHub(4096)
+    slow, ok = FakeDramClient(stored=5), FakeDramClient(stored=3)
+    slow.fail = 1
+    w = watch(hub, FakeAlive("node-a", "node-b"), {"node-a": slow, "node-b": ok})
+    with caplog.at_level(logging.WARNING, "kvray"):
+        assert await w.segment_lost("1 client(s) left") == (3, 0)  # no events: no DRAM check
+    assert ok.reconciles == 1
+    assert "did not take the ask to reconcile: reconcile_all timed out" in caplog.text
+    assert "let a segment go (1 client(s) left)" in caplog.text

@@ -39,8 +39,9 @@ mode: every run alike)
 Commands (live):
 
 - ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "drop": false,
-  "skip_layer_hooks": false, "wait_saves": true, "reset_prefix_cache": true}`` ->
-  ``{"outputs": [[ids], ...],
+  "skip_layer_hooks": false, "wait_saves": true, "reset_prefix_cache": true,
+  "logprobs": null}`` -> ``{"outputs": [[ids], ...], "logprobs": [[[[id, logprob], ...]
+  per token] per prompt] (with ``"logprobs": k``: each token's top ``k``, best first),
   "finish_reasons": [...], "lines": [...], "block_hashes": [[hex], ...], "timelines":
   [...], "seconds": float}``: the prompts generated together; ``lines`` are the
   connector's per-request lines of these requests (:mod:`kvray.connector.log_lines`),
@@ -536,7 +537,9 @@ def _engine(spec: dict[str, Any]) -> int:
         collect.clear()
         _Hooks.drop = bool(cmd.get("drop"))
         _Hooks.skip_layer_hooks = bool(cmd.get("skip_layer_hooks"))
-        params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
+        params = SamplingParams(
+            max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=cmd.get("logprobs")
+        )
         # (With vLLM's prefix cache off there is nothing to empty; a finished request whose
         # saves are still in flight holds its blocks, and vLLM refuses a reset then.)
         reset = cmd.get("reset_prefix_cache", True) and spec.get("prefix_caching")
@@ -558,6 +561,13 @@ def _engine(spec: dict[str, Any]) -> int:
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "finish_reasons": [str(o.outputs[0].finish_reason) for o in outs],
             "cached_tokens": [o.num_cached_tokens or 0 for o in outs],
+            "logprobs": [
+                [
+                    sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])
+                    for step in o.outputs[0].logprobs or []
+                ]
+                for o in outs
+            ],
             "lines": [line.counts | {"request_id": line.request_id} for line in collect.lines],
             "block_hashes": [_pop_hashes(hashes, o.request_id) for o in outs] if hooked else [],
             "timelines": list(collect.timelines),
@@ -570,7 +580,8 @@ def _engine(spec: dict[str, Any]) -> int:
                           "wait_saves": spec.get("wait_saves", False),
                           "drop": spec.get("drop", False),
                           "skip_layer_hooks": spec.get("skip_layer_hooks", False),
-                          "reset_prefix_cache": False})
+                          "reset_prefix_cache": False,
+                          "logprobs": spec.get("logprobs")})
                 for prompts in spec["runs"]
             ]
         }  # fmt: skip

@@ -113,6 +113,8 @@ class PoolManagerActor:
         self._node_watch = self._make_node_watch()
         self._segment_pass: asyncio.Task[None] | None = None
         self._segment_why: str | None = None
+        self._stopping = False
+        """Set by :meth:`quiesce`: the pool is being torn down."""
         if take_back or remote.restarted():
             self._take_back(set(alive))
 
@@ -215,7 +217,7 @@ class PoolManagerActor:
                 values = await asyncio.to_thread(metrics.scrape, url)
                 self._server_metrics = {k: v for k, v in values.items() if k in metrics.SERVER_KEYS}
                 why = segments.seen(values)
-                if why is not None and self._node_watch is not None:
+                if why is not None and self._node_watch is not None and not self._stopping:
                     self._segment_lost(why)
                 if exporter is None:
                     exporter = metrics.StatsExporter(self._config.name, "manager", self._node_id)
@@ -462,7 +464,15 @@ class PoolManagerActor:
             self._nodes_at_start,
         )
 
+    async def quiesce(self) -> None:
+        """The pool is being torn down: its clients close next, and the segments they let
+        go are no loss to reconcile."""
+        self._stopping = True
+        if self._segment_pass is not None:
+            self._segment_pass.cancel()
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._node_watch is not None:
             self._node_watch.close()
         if self._events is not None:

@@ -211,6 +211,7 @@ def attach(name: str = "kvray", namespace: str = "kvray", *, clients: bool = Tru
 def _teardown(handles: PoolHandles, timeout_s: float = 10.0) -> None:
     """Close and kill every node actor the manager made, stop its server, kill it."""
     try:
+        handles.manager.quiesce().result(timeout_s)
         actors = handles.manager.all_actors().result(timeout_s)
     except KVRayError as exc:
         logger.warning("pool manager did not list its actors (%s)", exc)

@@ -522,6 +522,10 @@ class ManagerHandle(Handle):
     def server_metrics(self) -> Call[dict[str, float]]:
         return self._call("server_metrics")
 
+    def quiesce(self) -> Call[None]:
+        """Before the pool's actors close: what they let go is no loss to reconcile."""
+        return self._call("quiesce")
+
     def stop(self) -> Call[None]:
         return self._call("stop")
 

@@ -102,6 +102,7 @@ class BackendClientActor:
         sweep = self._index.sweep
         while True:
             await asyncio.sleep(SWEEP_S)
+            await self._index.hear_evictions()
             keys = sweep.due()
             if not keys:
                 continue

@@ -200,7 +200,7 @@ def xn_role(args: argparse.Namespace) -> int:
     pool = Pool.attach(XN_POOL)
     out = pool.empty((blocks, block), np.uint8)
     rows = list(out)
-    raw_dst = np.zeros(blocks * block, np.uint8)
+    raw_dst = page_aligned(blocks * block)
     store = MooncakeDistributedStore()
     me = os.environ["KVRAY_NODE_IP_ADDRESS"]
     rc = store.setup(me, "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", pool.server_address)

@@ -12,7 +12,8 @@ the SSD offload actor (what its quota evicted, and what it holds at start).
 The DRAM backends evict without telling anyone, so each BackendClient also reconciles
 what it stored (:class:`EvictionSweep`): when the pool's server reports evictions (the
 Mooncake master's ``evicted_key_count``, read by the manager and returned with each
-report to the hub), or every :data:`SWEEP_S` where no counter is known, it asks the
+report to the hub; a client that sent none for :data:`SWEEP_IDLE_S` asks for it), or every
+:data:`SWEEP_S` where no counter is known, it asks the
 backend about its oldest stored keys (at most :data:`SWEEP_MAX` per pass, one batched
 ``exists``) and publishes those gone. A block evicted and not yet swept is a stale hit:
 a failed load, recomputed and counted ``gone_at_load``, never wrong bytes. (Mooncake's
@@ -50,6 +51,10 @@ SWEEP_MAX = 4096
 SWEEP_BLIND = 512
 """Keys a pass asks about where the server's eviction counter is unknown (an external
 server the manager does not read)."""
+SWEEP_IDLE_S = 5.0
+"""A BackendClient whose reports to the hub carried no eviction counter for this long (it
+stored nothing meanwhile) asks the manager for it, at most this often, while it remembers
+keys: another client's stores may be evicting them."""
 SWEEP_KEPT = 1 << 18
 """Stored keys a BackendClient remembers for the sweep (about 100 bytes each); older ones
 are no longer reconciled (a stale hit is still only a failed load)."""
@@ -147,6 +152,28 @@ class IndexPublisher:
         self._warn = WarnOnce(logger)
         self.sweep: EvictionSweep | None = None
         """A BackendClient's reconcile of its stored keys (set by it)."""
+        self._manager: ManagerLink | None = None
+        self._heard_at = time.monotonic()
+        """When the server's eviction counter last came (a report's answer, or asked)."""
+
+    def _manager_link(self) -> ManagerLink:
+        if self._manager is None:
+            self._manager = ManagerLink(
+                self._config, self._who, "other nodes' block indexes miss it"
+            )
+        return self._manager
+
+    async def hear_evictions(self) -> None:
+        """An idle publisher's eviction counter (:data:`SWEEP_IDLE_S`): asked of the
+        manager when no report brought it for that long and the sweep remembers keys."""
+        sweep = self.sweep
+        if sweep is None or not len(sweep) or time.monotonic() - self._heard_at < SWEEP_IDLE_S:
+            return
+        self._heard_at = time.monotonic()
+        metrics = await self._manager_link().call(ManagerHandle.server_metrics)
+        evicted = (metrics or {}).get("master_evicted_key_count")
+        if evicted is not None:
+            sweep.seen_evicted = int(evicted)
 
     def changes(self, op: int, keys: list[str], slot: int | None = None) -> IndexChange:
         """``keys`` that the DRAM tier (``slot`` None) or this node's SSD tier of ``slot``
@@ -158,7 +185,7 @@ class IndexPublisher:
     async def run(self) -> None:
         """Send what was published to the manager's hub: one report in flight, what comes
         meanwhile goes in the next."""
-        manager = ManagerLink(self._config, self._who, "other nodes' block indexes miss it")
+        manager = self._manager_link()
         while True:
             await self._hub_ready.wait()
             self._hub_ready.clear()
@@ -167,6 +194,7 @@ class IndexPublisher:
                 evicted = await manager.call(partial(ManagerHandle.index_record, changes=changes))
                 if self.sweep is not None and evicted is not None:
                     self.sweep.seen_evicted = evicted
+                    self._heard_at = time.monotonic()
 
     async def connect(self) -> None:
         """Find this node's keeper now and make the first call to it (its node channel, or

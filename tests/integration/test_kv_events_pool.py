@@ -208,11 +208,13 @@ def test_kv_events_need_the_index_and_a_free_port(ray_cluster, mooncake_master):
 
 
 @pytest.mark.timeout(240)
-def test_events_follow_the_masters_own_evictions(ray_cluster):
+@pytest.mark.parametrize("traffic", [True, False], ids=["traffic", "idle"])
+def test_events_follow_the_masters_own_evictions(ray_cluster, traffic):
     """A pool whose DRAM tier (32 MB) is filled past its eviction watermark (70 %) by
-    described blocks: the master evicts some on its own; the clients learn it from its
-    eviction counter, carried by later traffic of blocks no scheduler described, and
-    reconcile, and the subscriber ends with exactly what exists() shows.
+    described blocks: the master evicts some on its own; the client learns it from its
+    eviction counter, carried by later traffic of blocks no scheduler described, or, idle,
+    by asking the manager for it, and reconciles, and the subscriber ends with exactly
+    what exists() shows.
 
     Nothing asks the master about the described blocks until an eviction is published:
     Mooncake's ``exists`` grants a read lease, and a leased object is not evicted."""
@@ -258,8 +260,9 @@ def test_events_follow_the_masters_own_evictions(ray_cluster):
             deadline = time.monotonic() + 90
             other = 0
             while not removed() and time.monotonic() < deadline:
-                pool.put(f"evev-other-{other}", small)  # carries the eviction counter
-                other += 1
+                if traffic:
+                    pool.put(f"evev-other-{other}", small)  # carries the eviction counter
+                    other += 1
                 sub.drain(0.3)
             stored = {h for e in sub.events if isinstance(e, kv.vk.BlockStored)
                       for h in e.block_hashes}  # fmt: skip

@@ -28,6 +28,17 @@ LAYOUT = KVLayout("float16", 16, 2, 64).tag()
 TOPIC = "kv@127.0.0.1@int"
 
 
+def _chain(n: int) -> tuple[list[bytes], tuple[BlockInfo, ...]]:
+    """``n`` chained blocks of 16 tokens: their hashes, and as a scheduler describes them."""
+    tokens = list(range(16 * n))
+    hashes = chain_block_hashes(tokens, 16)
+    infos = tuple(
+        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
+        for i, h in enumerate(hashes)
+    )
+    return hashes, infos
+
+
 def _whole(pool: Pool, space: KeySpace, hashes: list[bytes]) -> set:  # type: ignore[type-arg]
     """The blocks of ``hashes`` every column of which ``exists()`` (vLLM's hash form)."""
     present = [pool.exists(space.rank_key_strs(hashes, r), rank=r) for r in range(space.world_size)]
@@ -53,12 +64,7 @@ def test_events_match_the_pool_through_stores_removes_and_a_lost_block(
         kv_events={"host": "loopback", "port": 0, "replay_port": 0},
     )
     space = KeySpace(cfg.name, LAYOUT, tp_size=2)
-    tokens = list(range(16 * 5))
-    hashes = chain_block_hashes(tokens, 16)
-    infos = tuple(
-        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
-        for i, h in enumerate(hashes)
-    )
+    hashes, infos = _chain(5)
     block = np.arange(4096, dtype=np.uint8)
     with Pool.start(cfg) as pool:
         ends = pool.kv_events()
@@ -72,7 +78,7 @@ def test_events_match_the_pool_through_stores_removes_and_a_lost_block(
             _settle(sub, cfg.name, {kv.ext(h) for h in hashes[:4]})  # rank 1 lacks the 5th
 
             stored = [e for e in sub.events if isinstance(e, kv.vk.BlockStored)]
-            assert stored[0].token_ids[:16] == tokens[:16]
+            assert stored[0].token_ids[:16] == list(range(16))
             assert stored[0].parent_block_hash is None and stored[0].block_size == 16
             assert {e.medium for e in stored} == {"CPU"} and {e.ownership for e in stored} == {
                 cfg.name
@@ -118,12 +124,7 @@ def test_a_live_clients_segment_the_master_dropped_leaves_the_index(ray_cluster,
     extra = {"kv_events": {"host": "loopback", "port": 0, "replay_port": 0}} if events else {}
     cfg = small_config(None, lookup_index=True, **extra)
     space = KeySpace(cfg.name, LAYOUT)
-    tokens = list(range(16 * 6))
-    hashes = chain_block_hashes(tokens, 16)
-    infos = tuple(
-        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
-        for i, h in enumerate(hashes)
-    )
+    hashes, infos = _chain(6)
     block = np.arange(4096, dtype=np.uint8)
     kept = {kv.ext(h) for h in hashes[:3]}
     with Pool.start(cfg) as pool:
@@ -235,12 +236,7 @@ def test_events_follow_the_masters_own_evictions(ray_cluster, traffic):
     )
     space = KeySpace("evev", LAYOUT)
     n = 26  # 26 MB: past the watermark (22.4 MB), within the tier
-    tokens = list(range(16 * n))
-    hashes = chain_block_hashes(tokens, 16)
-    infos = tuple(
-        BlockInfo(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * (i + 1)]))
-        for i, h in enumerate(hashes)
-    )
+    hashes, infos = _chain(n)
     value = np.ones(1 << 20, dtype=np.uint8)
     small = np.ones(4096, dtype=np.uint8)
     with Pool.start(cfg) as pool:

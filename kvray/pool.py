@@ -151,6 +151,7 @@ class Pool:
         self._channels: dict[int, ChannelStore] = {}
         """Per rank: its client's node channel, the data plane's path (see :meth:`_store`)."""
         self._closed = False
+        self._stopped = False
         _say_if_unverified(handles.config)
         # A process that exits without close() leaves nothing: its regions are memory
         # files the kernel frees, and the actors drop their mappings once it is gone.
@@ -204,9 +205,12 @@ class Pool:
         await asyncio.to_thread(self.close)
 
     def shutdown(self) -> None:
-        """Stop the pool: actors, embedded master, placement group. Data is gone."""
+        """Stop the pool: actors, embedded master, placement group. Data is gone. Once: a
+        second call (leaving a ``with`` block after it) does nothing."""
         self.close()
-        launcher.shutdown(self._h)
+        if not self._stopped:
+            launcher.shutdown(self._h)
+            self._stopped = True
 
     async def ashutdown(self) -> None:
         await asyncio.to_thread(self.shutdown)

@@ -220,8 +220,11 @@ class MooncakeBackend(Backend):
 
     def _slices(self, n: int, nbytes: int) -> list[tuple[int, int]]:
         """One slice, or ``io_threads`` contiguous ones when the batch is large: each is
-        moved on one thread, and the native calls release the GIL, so big transfers use
-        several cores."""
+        one native call on a thread of its own (the calls release the GIL). A replica in
+        this client's own segment is copied by Mooncake's single memcpy thread however
+        the batch is split; what the split runs in parallel is each call's checksum
+        work (``seal``, ``check``) beside the copy, and for replicas on other nodes the
+        transport's transfers."""
         parts = min(self._io_threads, n) if nbytes >= PARALLEL_MIN_BYTES else 1
         bounds = [n * i // parts for i in range(parts + 1)]
         return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -5,7 +5,7 @@ result was measured at."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from _cpu import largest
@@ -48,11 +48,17 @@ STORE_PATHS = (
 )
 
 
+def _raw_paths(paths: Iterable[str], multi: bool) -> list[str]:
+    """The raw client's paths of one shape (one piece per block, or ``multi``): one call
+    and the split over threads (``raw xN``)."""
+    return [p for p in paths if p.startswith("raw") and ("multi" in p) == multi]
+
+
 def _vs_raw(gbps: dict[str, dict[str, float]], path: str, op: str) -> str:
     if not path.startswith("kvray"):
         return ""
-    shape = ("raw multi", "raw multi x4") if "multi" in path else ("raw", "raw x4")
-    return f"{gbps[path][op] / max(gbps[s][op] for s in shape):.2f}"
+    strongest = max(gbps[s][op] for s in _raw_paths(gbps, "multi" in path))
+    return f"{gbps[path][op] / strongest:.2f}"
 
 
 def render_store(results: Results, names: Sequence[str]) -> str:
@@ -134,8 +140,7 @@ def render_store_checksum_hit(results: Results, names: Sequence[str]) -> str:
         p, reps = run["params"], run["reps_s"]
         mib = p["blocks"] * p["block_bytes"] / 2**20
         plain, checked = reps["kvray multi"]["get"], reps["kvray multi checksum"]["get"]
-        raws = [reps[k]["get"] for k in reps if k.startswith("raw multi")]
-        raw = min(raws, key=statistics.median)
+        raw = min((reps[k]["get"] for k in _raw_paths(reps, multi=True)), key=statistics.median)
         rows.append(
             [
                 f"{p['blocks']} x {p['block_bytes'] // 2**20} MiB ({mib:.0f} MiB)",

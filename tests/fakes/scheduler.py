@@ -38,13 +38,18 @@ class Sched:
     """A scheduler side on a fake pool, and the vLLM calls a step makes."""
 
     def __init__(
-        self, tp_size: int = 1, index: Any = None, pool: dict[str, Any] | None = None, **extra: Any
+        self,
+        tp_size: int = 1,
+        index: Any = None,
+        pool: dict[str, Any] | None = None,
+        role: str = "kv_both",
+        **extra: Any,
     ) -> None:
         """``index``: the node's block index the Lookup actor offers (a BlockIndex);
-        ``pool``: the pool's config."""
+        ``pool``: the pool's config; ``role``: vLLM's ``kv_role``."""
         cfg = validate(ConnectorConfig, {"model_namespace": "unit", **extra}, source="test")
         self.info = InstanceInfo(
-            cfg, KeySpace("unit", LAYOUT, tp_size), BS, "kv_both", model_name="tiny"
+            cfg, KeySpace("unit", LAYOUT, tp_size), BS, role, model_name="tiny"
         )
         self.pool = FakePool(PoolConfig.from_dict(pool, environ={}) if pool else None)
         self.lookup = self.pool.lookup()

@@ -69,6 +69,42 @@ def test_a_lookup_answer_becomes_external_tokens_and_a_load(tokens, hits, miss, 
         assert [(op.req_id, op.block_ids) for op in meta.saves] == lacked
 
 
+@pytest.mark.parametrize(
+    ("role", "flags", "loads", "saves"),
+    [
+        ("kv_both", {}, True, True),
+        ("kv_producer", {}, True, True),  # a prefill instance's prefix hits load too
+        ("kv_consumer", {}, False, False),
+        ("kv_consumer", {"consumer_is_to_load": True}, True, False),
+        ("kv_consumer", {"consumer_is_to_put": True}, False, True),
+    ],
+)
+def test_what_each_role_loads_and_saves(role, flags, loads, saves):
+    """A 70-token request whose first 2 blocks the pool holds, computed in one step: the
+    roles of docs/pd-disaggregation.md decide whether the hit is looked up and loaded and
+    whether the blocks the pool lacked are saved."""
+    s = Sched(role=role, **flags)
+    s.lookup.answer = answered(2)
+    req = s.request("r1", 70)
+    external = 32 if loads else 0
+    assert s.sched.get_num_new_matched_tokens(req, 0) == (external, False)
+    assert len(s.lookup.asked) == (1 if loads else 0)
+    ids = [10, 11, 12, 13, 14]
+    s.alloc(req, ids, external)
+    req.num_computed_tokens = external
+    meta = s.step({"r1": 70 - external}, [(req, ids)])
+    assert [op.block_ids for op in meta.loads] == ([(10, 11)] if loads else [])
+    if loads and saves:  # saved once the step's output says its loads were good
+        s.sched.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=StepTimes(meta.step))
+        )
+        req.num_computed_tokens = 70
+        meta = s.step({"r1": 1})
+    # Without a lookup the pool's blocks are not known: every full block is saved.
+    expected = ([(12, 13)] if loads else [(10, 11, 12, 13)]) if saves else []
+    assert [op.block_ids for op in meta.saves] == expected
+
+
 def load_then_compute(s: Sched, rid: str = "r1", ids: tuple[int, ...] = (10, 11, 12, 13, 14),
                       first: int = 1000) -> tuple[Request, Any]:  # fmt: skip
     """A 70-token request whose first 2 blocks the pool holds: the step loads them (sync)

@@ -46,7 +46,8 @@ bench: setup
 # runs them: tests/*/test_scripts.py and tests/unit/test_device_check.py.
 smoke: setup
 	$(VENV)/pytest -q tests/unit/test_scripts.py tests/unit/test_device_check.py \
-		tests/integration/test_scripts.py tests/e2e/test_scripts.py
+		tests/unit/test_docs_rendered.py tests/integration/test_scripts.py \
+		tests/e2e/test_scripts.py
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -120,7 +120,8 @@ def bench_once(
         "--random-output-len", "2", "--num-prompts", str(args.num_prompts),
         "--request-rate", "inf", "--seed", str(seed), "--ignore-eos",
         "--percentile-metrics", "ttft", "--metric-percentiles", "90,99",
-        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--save-result", "--save-detailed",  # (every request's TTFT: ``ttfts``)
+        "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
     try:
         client(argv)

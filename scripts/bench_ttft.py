@@ -32,8 +32,9 @@ own process, up for the whole run):
 - ``nice0`` (``--configs ...,nice0``): ``kvray`` on a pool with ``save_niceness: 0``, its
   stores (Mooncake's copy thread included) at the engine's priority: kvray - nice0 is what
   the default's yielding stores save (``nice10``: at 10).
-- ``nosave`` (``--configs ...,nosave --rates 0``): ``kvray`` as a PD consumer
-  (``kv_role: kv_consumer``), which looks up and loads but stores nothing: on rows
+- ``nosave`` (``--configs ...,nosave --rates 0``): ``kvray`` as a PD consumer that loads
+  (``kv_role: kv_consumer``, ``consumer_is_to_load``), which looks up and loads but
+  stores nothing: on rows
   without hits, nosave - full is what the connector costs a miss apart from its saves,
   and kvray - nosave what the saves cost it.
 - ``async`` (``--configs ...,async``): ``kvray`` with ``load_async: true``, the hit's
@@ -245,10 +246,12 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         }
         if name == "raycall":
             extra["transfer_channel"] = "ray"
+        if name == "nosave":
+            extra["consumer_is_to_load"] = True
         if name == "hmaoff":  # vLLM's hybrid allocator off: one group, sliding layers whole
             spec["hma"] = False
         spec["kv_transfer_config"] = kvray_transfer_config(extra)
-        if name == "nosave":  # (a PD consumer's role: it looks up and loads, stores nothing)
+        if name == "nosave":  # (a PD consumer that loads: it looks up and loads, stores nothing)
             spec["kv_transfer_config"]["kv_role"] = "kv_consumer"
     elif name == "peer":
         spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG

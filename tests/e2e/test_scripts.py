@@ -68,8 +68,11 @@ def test_bench_serve_smoke(tmp_path):
     )  # fmt: skip
     assert "run 2 mean" in res.stdout
     assert json_keys(out) == committed_keys("bench_serve.json")
-    kvray = next(row for row in json.loads(out.read_text())["table"] if row["mode"] == "kvray")
+    result = json.loads(out.read_text())
+    kvray = next(row for row in result["table"] if row["mode"] == "kvray")
     assert kvray["run2_blocks"] > 0 and kvray["run2_hits"] == kvray["run2_blocks"]
+    # Every request's TTFT is recorded, not only the run's percentiles.
+    assert all(len(run["ttfts_ms"]) == 2 for run in result["runs"])
 
 
 @pytest.mark.timeout(600)

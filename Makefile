@@ -43,7 +43,8 @@ bench: setup
 	$(VENV)/python scripts/bench_store.py --json $(BENCH_JSON) $(ARGS)
 
 # Every script's smoke run (--smoke: its full run with small arguments), as the suite
-# runs them: tests/*/test_scripts.py and tests/unit/test_device_check.py.
+# runs them: tests/*/test_scripts.py, tests/unit/test_device_check.py and
+# tests/unit/test_docs_rendered.py (report.py).
 smoke: setup
 	$(VENV)/pytest -q tests/unit/test_scripts.py tests/unit/test_device_check.py \
 		tests/unit/test_docs_rendered.py tests/integration/test_scripts.py \

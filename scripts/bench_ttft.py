@@ -34,9 +34,8 @@ own process, up for the whole run):
   the default's yielding stores save (``nice10``: at 10).
 - ``nosave`` (``--configs ...,nosave --rates 0``): ``kvray`` as a PD consumer that loads
   (``kv_role: kv_consumer``, ``consumer_is_to_load``), which looks up and loads but
-  stores nothing: on rows
-  without hits, nosave - full is what the connector costs a miss apart from its saves,
-  and kvray - nosave what the saves cost it.
+  stores nothing: on rows without hits, nosave - full is what the connector costs a miss
+  apart from its saves, and kvray - nosave what the saves cost it.
 - ``async`` (``--configs ...,async``): ``kvray`` with ``load_async: true``, the hit's
   blocks loaded in a step of their own (the request waits in vLLM's
   ``WAITING_FOR_REMOTE_KVS`` meanwhile) and its forward in the next: async - kvray is

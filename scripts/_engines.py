@@ -389,11 +389,11 @@ def tcmalloc() -> str | None:
     return found
 
 
-def kvray_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+def kvray_transfer_config(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
     return {
         "kv_connector": "KVRayConnector",
         "kv_connector_module_path": "kvray.connector",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_connector_extra_config": extra,
     }
 

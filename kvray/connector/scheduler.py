@@ -134,6 +134,10 @@ class KVRayScheduler:
         failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
+        self._in_step = 0
+        """Requests the step being scheduled holds so far: those the last step ran (the
+        running ones, as near as the connector sees them) and those admitted to compute
+        in it since (``load_async: auto`` weighs a further hit against them)."""
         self._save_waiters = False
         """A lookup of this step waits for this instance's own saves in flight."""
         self._timelines = RequestTimelines(logger)
@@ -260,6 +264,7 @@ class KVRayScheduler:
         n = self._lookup_blocks(request)
         if not self.info.can_load or n <= local or not self._keys_known():
             self._admit(RequestState(request, local, next_save=local))
+            self._in_step += 1
             clock = self._clock(request)
             clock.timeline.admitted_ms = clock.now_ms()
             return 0, False
@@ -326,7 +331,12 @@ class KVRayScheduler:
         miss = (why or "not_stored") if n - local > hit else ""
         if self._own_saves.expired(rid):  # (the counters keep the index's reason)
             miss = miss and "save_in_flight"
-        load_async = self._load_async() if external else False
+        load_async = False
+        if external:
+            load_async = self._load_async(
+                pool_blocks, min(answer.ssd, pool_blocks), request.num_tokens - hit_tokens
+            )
+        self._in_step += not load_async
         self._admit(
             RequestState(
                 request,
@@ -341,15 +351,23 @@ class KVRayScheduler:
         )
         return external, load_async
 
-    def _load_async(self) -> bool:
-        """Whether a hit admitted now loads asynchronously (``load_async``). ``auto``: the
-        step's first load is waited for before its forward (its request computes in the
-        step), a further one in the same step loads while that step computes (its request
-        computes in a later step, the step's forward not waiting for it)."""
+    def _load_async(self, blocks: int, ssd: int, tokens: int) -> bool:
+        """Whether a hit of ``blocks`` blocks (``ssd`` of them only on the SSD tier), with
+        ``tokens`` left to compute, admitted now loads asynchronously (``load_async``).
+        ``auto``: the step's first load is waited for before its forward (its request
+        computes in the step); a further one joins it where this engine's rates say the
+        step's requests lose less waiting for it than it would waiting for the next step
+        (:meth:`~kvray.connector.worth.Worth.joins_step`), else it loads while the step
+        computes and its request computes in a later step (so too while a rate is not
+        measured yet)."""
         mode = self.info.config.load_async
         if mode != "auto":
             return mode
-        return not self.info.config.use_layerwise and bool(self._loads)
+        if self.info.config.use_layerwise or not self._loads:
+            return False
+        joins = self._worth.joins_step(blocks - ssd, ssd, tokens, self._in_step)
+        self.stats.add("loads_joined_step" if joins else "loads_beside_step")
+        return not joins
 
     def _decide_load(self, blocks: int, ssd: int) -> Decision:
         """Load the hit, or compute it: measured to load slower than computing its
@@ -416,6 +434,7 @@ class KVRayScheduler:
         self._hashes.check()
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = bool(scheduled)
+        self._in_step = len(scheduled)
         track_scheduled(self._reqs, scheduler_output)
         self._step += 1
         self._timelines.step_built(self._step, scheduled, self._reqs)

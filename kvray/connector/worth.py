@@ -24,6 +24,15 @@ taking ``k`` of the ``H`` blocks saves, ``k * (per_token * block_size - per_bloc
 overhead``, is monotonic in ``k``: the best prefix is all of the hit or none of it, so
 the decision is all or nothing.
 
+The same rates decide where a step's further hits load under ``load_async: auto``
+(:meth:`Worth.joins_step`). A hit loaded before the step's forward makes the step longer by
+its load and its own compute, for every request in the step; loaded beside it, its
+request computes only in a later step, a whole forward later. So it joins the step when
+what it adds, times the requests that wait for the step, is at most what a step has been
+measured to take (the median forward of the last :data:`STEPS_MEASURED` steps that
+computed): a burst of hits with little left to compute each joins one forward; a hit with
+a long prompt left to compute, on an engine that is decoding, waits for the next.
+
 Until a line has :data:`MIN_SAMPLES` samples at two or more sizes (no slope from one
 size), a hit is taken, as without this module. A refused hit produces no load sample, so
 a tier that got faster would never be seen: every :data:`PROBE_EVERY`-th hit refused in
@@ -43,6 +52,8 @@ MIN_SAMPLES = 8
 """Samples a line needs before it decides anything."""
 PROBE_EVERY = 16
 """A tier's hits refused in a row before one is taken to measure the tier again."""
+STEPS_MEASURED = 8
+"""Computing steps whose median forward is what a step is taken to cost."""
 STEPS_KEPT = 64
 """Built steps whose times may still come back (older ones are dropped unmeasured)."""
 
@@ -128,6 +139,8 @@ class Worth:
         self._async_unsent: dict[str, _Loading] = {}
         self._steps: dict[int, tuple[int, _Loading]] = {}
         """Built step -> (tokens it scheduled, its sync loads), until its times come."""
+        self._forwards: deque[float] = deque(maxlen=STEPS_MEASURED)
+        """The forward ms of the last steps that computed something."""
 
     # ---- the decision --------------------------------------------------------------------
 
@@ -157,6 +170,18 @@ class Worth:
             self._refused[tier] = 0
             return Decision(True, estimate)
         return Decision(False, estimate)
+
+    def joins_step(self, dram: int, ssd: int, tokens: int, waiting: int) -> bool | None:
+        """Whether a step's further hit (``load_async: auto``) of ``dram`` + ``ssd`` blocks,
+        with ``tokens`` left to compute, loads before the step's forward: what it adds to
+        the step (its load and its compute) times the ``waiting`` requests the step holds
+        already, at most what a step is measured to take (the forward the hit would wait
+        for, loaded beside the step). None: a rate or the step is not measured yet."""
+        load = self.load_ms(dram, ssd)
+        compute = self.compute.fit()
+        if load is None or compute is None or len(self._forwards) < MIN_SAMPLES:
+            return None
+        return waiting * (load + compute[1] * tokens) <= median(self._forwards)
 
     def load_ms(self, dram: int, ssd: int) -> float | None:
         """The estimated time to load ``dram`` + ``ssd`` blocks (None: not measured)."""
@@ -203,6 +228,8 @@ class Worth:
         if built is None:
             return
         tokens, loads = built
+        if tokens:
+            self._forwards.append(forward_ms)
         if tokens >= block_size:
             self.compute.add(tokens, forward_ms)
         if (loads.dram or loads.ssd) and not failed:

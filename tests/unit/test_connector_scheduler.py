@@ -373,7 +373,9 @@ def test_async_loads_are_planned_as_such():
 def test_auto_loads_a_steps_first_hit_sync_and_the_rest_beside_it(layerwise):
     """``load_async: auto``: the first hit admitted to a step is loaded before its forward
     (its request computes in the step); later hits of the same step load asynchronously,
-    beside it. The next step starts over. With ``use_layerwise``, every hit is sync."""
+    beside it, on an engine that has not measured its rates yet (where it has:
+    test_scheduler_worth.py). The next step starts over. With ``use_layerwise``, every hit
+    is sync."""
     s = Sched(load_async="auto", use_layerwise=layerwise)
     s.lookup.answer = answered(4)
     reqs = [s.request(f"r{i}", 70, first=1000 * (i + 1)) for i in range(4)]

@@ -62,3 +62,18 @@ def test_steps_whose_times_never_came_are_forgotten():
     for step in range(1, 3 * STEPS_KEPT):
         w.step_built(step, 64)
     assert len(w._steps) == STEPS_KEPT
+
+
+def test_a_further_hit_joins_a_step_it_delays_less_than_a_step_takes():
+    """``load_async: auto``: a step's further hit loads before the forward when its load and
+    its compute, times the requests already in the step, are at most what a step has been
+    measured to take (here the last 8 forwards' median, 8.0 ms)."""
+    w = Worth()
+    assert w.joins_step(4, 0, 6, waiting=1) is None  # nothing measured: not weighed
+    slow_loads(w)
+    # 4 blocks load in 2.2 ms, 6 tokens compute in 0.06: 2.26 ms added per request waiting
+    assert w.joins_step(4, 0, 6, waiting=3)  # 6.78 ms <= 8.0
+    assert not w.joins_step(4, 0, 6, waiting=4)  # 9.04 ms
+    # 256 tokens left to compute add 2.56 ms more: only a step holding one request takes it
+    assert w.joins_step(4, 0, 256, waiting=1)
+    assert not w.joins_step(4, 0, 256, waiting=2)

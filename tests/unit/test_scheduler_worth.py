@@ -131,6 +131,30 @@ def test_a_long_hit_with_the_same_rates_is_loaded():
     assert (est.load_ms, est.compute_ms) == (pytest.approx(5.2), pytest.approx(10.24))
 
 
+def test_auto_loads_a_further_hit_before_the_forward_where_it_delays_the_step_little():
+    """``load_async: auto`` on an engine that measured its rates (loads 0.1 ms + 0.01 ms a
+    block, 0.01 ms a token; a step's forward 0.78 ms, the median of the last 8): after the
+    step's first hit (sync), a full hit of 4 blocks (0.2 ms to load and compute, 2 requests
+    waiting: 0.4 ms) joins the step; one with 40 tokens left to compute (0.54 ms, 3 requests
+    waiting now) loads beside it, its request computing in a later step."""
+    e = Engine(load_async="auto")
+    e.loads(overhead_ms=0.1, per_block_ms=0.01)
+    e.computes()  # the last step ran one request
+    first, external = e.admit(4, 4)
+    got = [(external, e.s.sched._reqs[first.request_id].load_async)]
+    e.s.alloc(first, [1, 2, 3, 4, 5], 64)
+    e.s.lookup.answer = answered(4, "not_stored")
+    short, long = e.request(4), e.request(4, tail=40)
+    for req, ids in ((short, [11, 12, 13, 14, 15]), (long, list(range(21, 28)))):
+        got.append(e.s.sched.get_num_new_matched_tokens(req, 0))
+        e.s.alloc(req, ids, 64)
+    assert got == [(64, False), (64, False), (64, True)]
+    meta = e.s.step({})
+    assert [op.req_id for op in meta.loads] == [first.request_id, short.request_id]
+    assert [op.req_id for op in meta.async_loads] == [long.request_id]
+    assert (e.s.stat("loads_joined_step"), e.s.stat("loads_beside_step")) == (1, 1)
+
+
 def test_the_ssd_tiers_rate_is_measured_apart_from_drams():
     """DRAM loads are fast (0.14 ms for 4 blocks: loaded), SSD ones slow (9 ms for 4 blocks:
     computed); an SSD hit is loaded until the SSD tier itself is measured."""

@@ -31,7 +31,8 @@ request computes only in a later step, a whole forward later. So it joins the st
 what it adds, times the requests that wait for the step, is at most what a step has been
 measured to take (the median forward of the last :data:`STEPS_MEASURED` steps that
 computed): a burst of hits with little left to compute each joins one forward; a hit with
-a long prompt left to compute, on an engine that is decoding, waits for the next.
+a long prompt left to compute, on an engine that is decoding, waits for the next. Loads
+all of one size fit no line; for this decision they are weighed at their time per block.
 
 Until a line has :data:`MIN_SAMPLES` samples at two or more sizes (no slope from one
 size), a hit is taken, as without this module. A refused hit produces no load sample, so
@@ -72,6 +73,9 @@ class Line:
 
     def __len__(self) -> int:
         return len(self._xy)
+
+    def samples(self) -> list[tuple[float, float]]:
+        return list(self._xy)
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)``, neither below 0 (a cost), or None: too few samples, or all at one
@@ -178,6 +182,10 @@ class Worth:
         already, at most what a step is measured to take (the forward the hit would wait
         for, loaded beside the step). None: a rate or the step is not measured yet."""
         load = self.load_ms(dram, ssd)
+        if load is None and not ssd and len(self.dram) >= 2:
+            # No line yet (hits all of one size, as a burst's often are): the samples' time
+            # per block, overhead included, which overestimates a smaller hit's load.
+            load = dram * median(ms / x for x, ms in self.dram.samples() if x)
         compute = self.compute.fit()
         if load is None or compute is None or len(self._forwards) < MIN_SAMPLES:
             return None

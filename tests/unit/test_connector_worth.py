@@ -77,3 +77,17 @@ def test_a_further_hit_joins_a_step_it_delays_less_than_a_step_takes():
     # 256 tokens left to compute add 2.56 ms more: only a step holding one request takes it
     assert w.joins_step(4, 0, 256, waiting=1)
     assert not w.joins_step(4, 0, 256, waiting=2)
+
+
+def test_hits_all_of_one_size_are_weighed_by_their_time_per_block():
+    """Loads all of 4 blocks (2.2 ms) fit no line, so no hit is refused; a step's further
+    hit is still weighed, at their 0.55 ms a block (overhead included)."""
+    w = Worth()
+    for step in range(1, 2 * MIN_SAMPLES + 1):
+        w.planned(f"r{step}", 4, 0, load_async=False)
+        w.step_built(step, 64 * step)
+        w.step_done(step, 0.01 * 64 * step, 2.2, BS, failed=False)
+    assert w.load_ms(4, 0) is None and w.decide(4, 0, BS).load
+    assert w.joins_step(4, 0, 6, waiting=3)  # 3 * (2.2 + 0.06) = 6.78 ms <= 8.0
+    assert not w.joins_step(8, 0, 6, waiting=3)  # 3 * (4.4 + 0.06)
+    assert w.joins_step(4, 4, 6, waiting=1) is None  # SSD blocks: not measured

@@ -245,11 +245,12 @@ def engine_spec(name: str, model: str, max_len: int, family: str = "llama") -> d
         }
         if name == "raycall":
             extra["transfer_channel"] = "ray"
+        role = "kv_both"
         if name == "nosave":  # (a PD consumer that loads: it looks up and loads, stores nothing)
             extra["consumer_is_to_load"] = True
+            role = "kv_consumer"
         if name == "hmaoff":  # vLLM's hybrid allocator off: one group, sliding layers whole
             spec["hma"] = False
-        role = "kv_consumer" if name == "nosave" else "kv_both"
         spec["kv_transfer_config"] = kvray_transfer_config(extra, role)
     elif name == "peer":
         spec["kv_transfer_config"] = PEER_TRANSFER_CONFIG

@@ -331,11 +331,9 @@ class KVRayScheduler:
         miss = (why or "not_stored") if n - local > hit else ""
         if self._own_saves.expired(rid):  # (the counters keep the index's reason)
             miss = miss and "save_in_flight"
-        load_async = False
-        if external:
-            load_async = self._load_async(
-                pool_blocks, min(answer.ssd, pool_blocks), request.num_tokens - hit_tokens
-            )
+        ssd = min(answer.ssd, pool_blocks)
+        left = request.num_tokens - hit_tokens
+        load_async = self._load_async(pool_blocks, ssd, left) if external else False
         self._in_step += not load_async
         self._admit(
             RequestState(
@@ -344,7 +342,7 @@ class KVRayScheduler:
                 pool_blocks=pool_blocks,
                 next_save=local + pool_blocks + refused,  # (refused: the pool holds them)
                 miss=miss,
-                ssd_blocks=min(answer.ssd, pool_blocks),
+                ssd_blocks=ssd,
                 estimate=estimate,
                 load_async=load_async,
             )

@@ -187,7 +187,7 @@ class Worth:
             # per block, overhead included, which overestimates a smaller hit's load.
             load = dram * median(ms / x for x, ms in self.dram.samples() if x)
         compute = self.compute.fit()
-        if load is None or compute is None or len(self._forwards) < MIN_SAMPLES:
+        if load is None or compute is None or len(self._forwards) < STEPS_MEASURED:
             return None
         return waiting * (load + compute[1] * tokens) <= median(self._forwards)
 

@@ -105,6 +105,9 @@ class Lookups:
         self._stats = stats
         self._warn = warn
         self._pending: dict[str, PendingLookup] = {}
+        self._hits_known: set[str] = set()
+        """Requests whose pending lookup the node's index answered with a hit: what a step
+        may still admit (``load_async: auto`` counts them)."""
         self._counts: dict[str, int] = {}
         """Lookup counters of the index's answers not yet reported to the Lookup actor."""
         self._counts_lock = threading.Lock()
@@ -271,11 +274,25 @@ class Lookups:
             if answer is not None:
                 done = PendingLookup(None, time.monotonic(), first_block, 0.0, answer=answer)
                 self._pending[req_id] = done
+                if answer.hits:
+                    self._hits_known.add(req_id)
+                else:
+                    self._hits_known.discard(req_id)
                 return done
         call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s, placement)
         pending = PendingLookup(call, time.monotonic(), first_block, self.timeout_s + wait_s, want)
         self._pending[req_id] = pending
+        self._hits_known.discard(req_id)
         return pending
+
+    def hits_known(self, besides: str) -> int:
+        """Requests other than ``besides`` whose lookups the node's index answered with a
+        hit, not yet taken by the scheduler (those answered by a call are not counted)."""
+        return len(self._hits_known) - (besides in self._hits_known)
+
+    def _forget(self, req_id: str) -> None:
+        del self._pending[req_id]
+        self._hits_known.discard(req_id)
 
     def get(self, req_id: str) -> PendingLookup | None:
         return self._pending.get(req_id)
@@ -289,6 +306,7 @@ class Lookups:
 
     def drop(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
+        self._hits_known.discard(req_id)
 
     def drop_all(self) -> None:
         """Forget every lookup in flight (their requests look up again)."""
@@ -296,6 +314,7 @@ class Lookups:
             if pending.call is not None:
                 pending.call.cancel()
         self._pending.clear()
+        self._hits_known.clear()
 
     def poll(self, req_id: str, pending: PendingLookup, *, wait: bool) -> Answer | None:
         """The answer of ``pending``, or None: not yet, ask again next step. ``wait``: the
@@ -303,7 +322,7 @@ class Lookups:
         steps. Overdue: cancelled, answered as a ``lookup_timeout`` miss (and
         ``pending.timed_out``); failed: a ``lookup_error`` miss."""
         if pending.answer is not None:
-            del self._pending[req_id]
+            self._forget(req_id)
             return pending.answer
         assert pending.call is not None, "a lookup with neither a call nor an answer"
         remaining = max(0.0, pending.timeout_s - (time.monotonic() - pending.started))
@@ -312,7 +331,7 @@ class Lookups:
             if time.monotonic() - pending.started < pending.timeout_s:
                 return None
             pending.timed_out = True
-            del self._pending[req_id]
+            self._forget(req_id)
             pending.call.cancel()
             self._stats.add("lookup_misses_timeout")
             self._warn(
@@ -321,7 +340,7 @@ class Lookups:
                 self.timeout_s * 1e3,
             )
             return Answer(0, "lookup_timeout")
-        del self._pending[req_id]
+        self._forget(req_id)
         try:
             answer: Answer = pending.call.result(None)
         except KVRayError as exc:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvray.connector.kv_groups import NULL_BLOCK
 from kvray.connector.metadata import BlockOp
-from kvray.connector.worth import Estimate
+from kvray.connector.worth import Estimate, attention_pairs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -107,6 +107,21 @@ def track_scheduled(reqs: dict[str, RequestState], output: SchedulerOutput) -> N
         elif new_ids is not None:
             st.add_blocks(new_ids)
         st.computed_tokens = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+
+
+def step_pairs(output: SchedulerOutput) -> float:
+    """The attention pairs (:func:`~kvray.connector.worth.attention_pairs`) of the tokens
+    ``output`` schedules, over every request it schedules."""
+    scheduled = output.num_scheduled_tokens
+    pairs = sum(
+        attention_pairs(scheduled.get(new.req_id, 0), new.num_computed_tokens)
+        for new in output.scheduled_new_reqs
+    )
+    cached = output.scheduled_cached_reqs
+    return pairs + sum(
+        attention_pairs(scheduled.get(rid, 0), computed)
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+    )
 
 
 def plan_saves(

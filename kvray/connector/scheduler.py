@@ -51,12 +51,13 @@ from kvray.connector.request_state import (
     hash_bytes,
     offered_states,
     plan_saves,
+    step_pairs,
     track_scheduled,
 )
 from kvray.connector.stats import KVRayConnectorStats
 from kvray.connector.timeline import RequestClock, StepTimes
 from kvray.connector.timelines import RequestTimelines
-from kvray.connector.worth import Decision, Worth
+from kvray.connector.worth import Decision, StepSoFar, Worth
 from kvray.errors import KVRayError
 from kvray.misses import counter as miss_counter
 from kvray.warn_once import WarnOnce
@@ -134,10 +135,9 @@ class KVRayScheduler:
         failed blocks)."""
         self._preempted: list[str] = []
         self._engine_busy = False
-        self._in_step = 0
-        """Requests the step being scheduled holds so far: those the last step ran (the
-        running ones, as near as the connector sees them) and those admitted to compute
-        in it since (``load_async: auto`` weighs a further hit against them)."""
+        self._so_far = StepSoFar()
+        """What the step being scheduled holds so far (``load_async: auto`` weighs a
+        further hit against it)."""
         self._save_waiters = False
         """A lookup of this step waits for this instance's own saves in flight."""
         self._timelines = RequestTimelines(logger)
@@ -264,7 +264,7 @@ class KVRayScheduler:
         n = self._lookup_blocks(request)
         if not self.info.can_load or n <= local or not self._keys_known():
             self._admit(RequestState(request, local, next_save=local))
-            self._in_step += 1
+            self._so_far.requests += 1
             clock = self._clock(request)
             clock.timeline.admitted_ms = clock.now_ms()
             return 0, False
@@ -333,8 +333,11 @@ class KVRayScheduler:
             miss = miss and "save_in_flight"
         ssd = min(answer.ssd, pool_blocks)
         left = request.num_tokens - hit_tokens
-        load_async = self._load_async(pool_blocks, ssd, left) if external else False
-        self._in_step += not load_async
+        if external:
+            load_async = self._load_async(rid, pool_blocks, ssd, left, hit_tokens)
+        else:
+            load_async = False
+            self._so_far.requests += 1
         self._admit(
             RequestState(
                 request,
@@ -349,22 +352,30 @@ class KVRayScheduler:
         )
         return external, load_async
 
-    def _load_async(self, blocks: int, ssd: int, tokens: int) -> bool:
+    def _load_async(self, rid: str, blocks: int, ssd: int, tokens: int, context: int) -> bool:
         """Whether a hit of ``blocks`` blocks (``ssd`` of them only on the SSD tier), with
-        ``tokens`` left to compute, admitted now loads asynchronously (``load_async``).
-        ``auto``: the step's first load is waited for before its forward (its request
-        computes in the step); a further one joins it where this engine's rates say the
-        step's requests lose less waiting for it than it would waiting for the next step
-        (:meth:`~kvray.connector.worth.Worth.joins_step`), else it loads while the step
-        computes and its request computes in a later step (so too while a rate is not
-        measured yet)."""
+        ``tokens`` left to compute after ``context``, admitted now loads asynchronously
+        (``load_async``). ``auto``: the step's first load is waited for before its
+        forward (its request computes in the step); a further one joins it where this
+        engine's rates say the waits of the step's requests and hits sum to less that way
+        (:meth:`~kvray.connector.worth.Worth.joins_step`, which also counts the hits still
+        to come that the node's index answered), else it loads while the step computes and
+        its request computes in a later step (so too while a rate is not measured yet)."""
         mode = self.info.config.load_async
-        if mode != "auto":
-            return mode
-        if self.info.config.use_layerwise or not self._loads:
-            return False
-        joins = self._worth.joins_step(blocks - ssd, ssd, tokens, self._in_step)
-        self.stats.add("loads_joined_step" if joins else "loads_beside_step")
+        so_far = self._so_far
+        if mode != "auto" or self.info.config.use_layerwise or not self._loads:
+            joins = mode is False or mode == "auto"
+        else:
+            coming = self._lookups.hits_known(besides=rid)
+            joins = bool(self._worth.joins_step(blocks - ssd, ssd, tokens, context, so_far, coming))
+            self.stats.add("loads_joined_step" if joins else "loads_beside_step")
+        if joins:
+            cost = self._worth.hit_ms(blocks - ssd, ssd, tokens, context)
+            so_far.requests += 1
+            so_far.loads += 1
+            so_far.added_ms += sum(cost) if cost else 0.0
+        else:
+            so_far.beside += 1
         return not joins
 
     def _decide_load(self, blocks: int, ssd: int) -> Decision:
@@ -432,11 +443,11 @@ class KVRayScheduler:
         self._hashes.check()
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = bool(scheduled)
-        self._in_step = len(scheduled)
+        self._so_far = StepSoFar(requests=len(scheduled))
         track_scheduled(self._reqs, scheduler_output)
         self._step += 1
         self._timelines.step_built(self._step, scheduled, self._reqs)
-        self._worth.step_built(self._step, sum(scheduled.values()))
+        self._worth.step_built(self._step, sum(scheduled.values()), step_pairs(scheduler_output))
         for op in self._loads:
             for block_id in op.block_ids:
                 self._unverified[block_id] = self._step

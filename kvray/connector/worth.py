@@ -24,15 +24,19 @@ taking ``k`` of the ``H`` blocks saves, ``k * (per_token * block_size - per_bloc
 overhead``, is monotonic in ``k``: the best prefix is all of the hit or none of it, so
 the decision is all or nothing.
 
-The same rates decide where a step's further hits load under ``load_async: auto``
-(:meth:`Worth.joins_step`). A hit loaded before the step's forward makes the step longer by
-its load and its own compute, for every request in the step; loaded beside it, its
-request computes only in a later step, a whole forward later. So it joins the step when
-what it adds, times the requests that wait for the step, is at most what a step has been
-measured to take (the median forward of the last :data:`STEPS_MEASURED` steps that
-computed): a burst of hits with little left to compute each joins one forward; a hit with
-a long prompt left to compute, on an engine that is decoding, waits for the next. Loads
-all of one size fit no line; for this decision they are weighed at their time per block.
+The same measurements decide where a step's further hits load under ``load_async: auto``
+(:meth:`Worth.joins_step`). A step's forward is fitted to a plane: a fixed cost, a time
+per token it computes, and a time per pair of tokens its attention relates (a request's
+``q`` new tokens after ``c`` computed ones: ``q * (c + (q + 1) / 2)``), least squares over
+the last :data:`WINDOW` computing steps less the ones far off it. So a hit with 32 tokens
+left after 4000 is priced at what its attention over the 4000 costs, which the tokens
+alone do not show. A hit loaded before the forward makes the step longer by its load and
+its compute, for every request in the step; loaded beside it, its request computes in the
+next step, once every load of the step has landed, together with the step's other hits
+put beside it. The hit joins where the sum of those requests' waits (to the end of the
+step each computes in) is no larger with it in the step than beside it: a burst of hits
+splits into a first wave that computes at once and a second whose loads run during the
+first's forward; a lone hit on an engine that is decoding loads beside the step.
 
 Until a line has :data:`MIN_SAMPLES` samples at two or more sizes (no slope from one
 size), a hit is taken, as without this module. A refused hit produces no load sample, so
@@ -47,14 +51,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import median
 
+import numpy as np
+
 WINDOW = 32
 """Samples each line is fitted to (the newest)."""
 MIN_SAMPLES = 8
 """Samples a line needs before it decides anything."""
 PROBE_EVERY = 16
 """A tier's hits refused in a row before one is taken to measure the tier again."""
-STEPS_MEASURED = 8
-"""Computing steps whose median forward is what a step is taken to cost."""
 STEPS_KEPT = 64
 """Built steps whose times may still come back (older ones are dropped unmeasured)."""
 
@@ -95,6 +99,115 @@ def theil_sen(xy: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
         return None
     b = max(0.0, median(slopes))
     return max(0.0, median(y - b * x for x, y in xy)), b
+
+
+def attention_pairs(tokens: int, context: int) -> float:
+    """The token pairs a request's attention relates in a step: each of its ``tokens`` new
+    tokens with every token before it and itself (``context`` computed before the step)."""
+    return tokens * (context + (tokens + 1) / 2)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A step's forward: ``overhead_ms + per_token_ms * tokens + per_pair_ms * pairs``."""
+
+    overhead_ms: float
+    per_token_ms: float
+    per_pair_ms: float
+
+    def request_ms(self, tokens: int, context: int) -> float:
+        """What computing ``tokens`` more of a request after ``context`` adds to a step."""
+        return self.per_token_ms * tokens + self.per_pair_ms * attention_pairs(tokens, context)
+
+
+class Forwards:
+    """Computing steps' forward ms against their tokens and attention pairs: the last
+    :data:`WINDOW`, fitted by least squares, then again without the steps more than three
+    (scaled) median absolute deviations off the fit (a step slowed by a neighbour). No rate
+    is negative: where one comes out below 0, the plane without it (the better fitting of
+    the two) is taken; None while too few steps, or steps that cannot tell the rates
+    apart."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._fit: StepCosts | None = None
+        self._dirty = False
+
+    def add(self, tokens: int, pairs: float, ms: float) -> None:
+        self._samples.append((float(tokens), pairs, ms))
+        self._dirty = True
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def fit(self) -> StepCosts | None:
+        if self._dirty:
+            self._dirty = False
+            self._fit = fit_forwards(list(self._samples))
+        return self._fit
+
+
+def fit_forwards(samples: Sequence[tuple[float, float, float]]) -> StepCosts | None:
+    """See :class:`Forwards`."""
+    if len(samples) < MIN_SAMPLES:
+        return None
+    data = np.asarray(samples, dtype=np.float64)
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    y = data[:, 2]
+    best: tuple[float, StepCosts] | None = None
+    for cols in ((0, 1, 2), (0, 1), (0, 2)):
+        fitted = _trimmed_lstsq(x[:, cols], y)
+        if fitted is None:
+            continue
+        coef, err = fitted
+        rates = dict(zip(cols, coef, strict=True))
+        if min(rates.get(1, 0.0), rates.get(2, 0.0)) < 0:
+            continue
+        costs = StepCosts(
+            max(0.0, float(rates[0])), float(rates.get(1, 0.0)), float(rates.get(2, 0.0))
+        )
+        if len(cols) == 3:
+            return costs
+        if best is None or err < best[0]:
+            best = (err, costs)
+    return None if best is None else best[1]
+
+
+def _trimmed_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float] | None:
+    """Least-squares coefficients of ``y ~ x`` and their median absolute residual, refitted
+    without the samples far off the first fit; None where ``x`` cannot tell them apart."""
+    scale = np.abs(x).max(axis=0)
+    if (scale == 0).any():
+        return None
+    xs = x / scale
+    if np.linalg.matrix_rank(xs) < x.shape[1]:
+        return None
+    coef = np.linalg.lstsq(xs, y, rcond=None)[0]
+    resid = y - xs @ coef
+    spread = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+    keep = np.abs(resid - np.median(resid)) <= 3 * spread
+    if spread > 0 and MIN_SAMPLES <= keep.sum() < len(y):
+        if np.linalg.matrix_rank(xs[keep]) < x.shape[1]:
+            return None
+        coef = np.linalg.lstsq(xs[keep], y[keep], rcond=None)[0]
+        resid = y - xs @ coef
+    return coef / scale, float(np.median(np.abs(resid)))
+
+
+@dataclass
+class StepSoFar:
+    """What the step being scheduled holds so far, as ``load_async: auto`` weighs its
+    further hits."""
+
+    requests: int = 0
+    """Requests it computes: those the last step ran (as near as the connector sees
+    them) and those admitted to compute in it since."""
+    loads: int = 0
+    """Hits loading before its forward."""
+    added_ms: float = 0.0
+    """What those hits add to its forward (their loads and compute, as estimated)."""
+    beside: int = 0
+    """Hits admitted in it that load beside its forward (their requests compute later)."""
 
 
 @dataclass(frozen=True)
@@ -141,10 +254,11 @@ class Worth:
         self._sync = _Loading()
         self._async: dict[str, _Loading] = {}
         self._async_unsent: dict[str, _Loading] = {}
-        self._steps: dict[int, tuple[int, _Loading]] = {}
-        """Built step -> (tokens it scheduled, its sync loads), until its times come."""
-        self._forwards: deque[float] = deque(maxlen=STEPS_MEASURED)
-        """The forward ms of the last steps that computed something."""
+        self._steps: dict[int, tuple[int, float, _Loading]] = {}
+        """Built step -> (tokens it scheduled, their attention pairs, its sync loads),
+        until its times come."""
+        self.forwards = Forwards()
+        """Forward ms against the tokens and attention pairs of the steps that computed."""
 
     # ---- the decision --------------------------------------------------------------------
 
@@ -175,21 +289,45 @@ class Worth:
             return Decision(True, estimate)
         return Decision(False, estimate)
 
-    def joins_step(self, dram: int, ssd: int, tokens: int, waiting: int) -> bool | None:
-        """Whether a step's further hit (``load_async: auto``) of ``dram`` + ``ssd`` blocks,
-        with ``tokens`` left to compute, loads before the step's forward: what it adds to
-        the step (its load and its compute) times the ``waiting`` requests the step holds
-        already, at most what a step is measured to take (the forward the hit would wait
-        for, loaded beside the step). None: a rate or the step is not measured yet."""
+    def hit_ms(self, dram: int, ssd: int, tokens: int, context: int) -> tuple[float, float] | None:
+        """What a hit of ``dram`` + ``ssd`` blocks, with ``tokens`` left to compute after
+        ``context``, adds to a step's forward it joins: ``(its load, its compute)``, or None
+        while a rate is not measured."""
         load = self.load_ms(dram, ssd)
         if load is None and not ssd and len(self.dram) >= 2:
             # No line yet (hits all of one size, as a burst's often are): the samples' time
             # per block, overhead included, which overestimates a smaller hit's load.
             load = dram * median(ms / x for x, ms in self.dram.samples() if x)
-        compute = self.compute.fit()
-        if load is None or compute is None or len(self._forwards) < STEPS_MEASURED:
+        costs = self.forwards.fit()
+        if load is None or costs is None:
             return None
-        return waiting * (load + compute[1] * tokens) <= median(self._forwards)
+        return load, costs.request_ms(tokens, context)
+
+    def joins_step(
+        self, dram: int, ssd: int, tokens: int, context: int, step: StepSoFar, coming: int
+    ) -> bool | None:
+        """Whether a step's further hit (``load_async: auto``) of ``dram`` + ``ssd`` blocks,
+        with ``tokens`` left to compute after ``context``, loads before the step's forward,
+        the step holding ``step`` so far and ``coming`` more hits to weigh: the sum of the
+        waits of the step's requests and of its hits outside it, each to the end of the
+        step it computes in, is no larger with this hit in the step than beside it (see
+        the module). None: a rate is not measured yet."""
+        hit = self.hit_ms(dram, ssd, tokens, context)
+        costs = self.forwards.fit()
+        if hit is None or costs is None:
+            return None
+        load, compute = hit
+
+        def waits(inside: int, loads: int, added_ms: float, outside: int) -> float:
+            base = costs.overhead_ms + costs.per_token_ms * inside
+            forward = base + added_ms
+            landed = (loads + outside) * load  # every load of the step, on one loader
+            return inside * forward + outside * (max(forward, landed) + base + outside * compute)
+
+        outside = step.beside + 1 + coming
+        with_it = waits(step.requests + 1, step.loads + 1, step.added_ms + load + compute,
+                        outside - 1)  # fmt: skip
+        return with_it <= waits(step.requests, step.loads, step.added_ms, outside)
 
     def load_ms(self, dram: int, ssd: int) -> float | None:
         """The estimated time to load ``dram`` + ``ssd`` blocks (None: not measured)."""
@@ -218,12 +356,13 @@ class Worth:
             self._sync.dram += loading.dram
             self._sync.ssd += loading.ssd
 
-    def step_built(self, step: int, tokens: int) -> None:
-        """Step ``step`` was handed to the workers: ``tokens`` to compute, and the loads
-        planned since the last step."""
+    def step_built(self, step: int, tokens: int, pairs: float = 0.0) -> None:
+        """Step ``step`` was handed to the workers: ``tokens`` to compute, their attention
+        ``pairs`` (:func:`attention_pairs`, summed), and the loads planned since the last
+        step."""
         self._async.update(self._async_unsent)
         self._async_unsent.clear()
-        self._steps[step] = (tokens, self._sync)
+        self._steps[step] = (tokens, pairs, self._sync)
         self._sync = _Loading()
         self._steps.pop(step - STEPS_KEPT, None)
 
@@ -235,9 +374,9 @@ class Worth:
         built = self._steps.pop(step, None)
         if built is None:
             return
-        tokens, loads = built
+        tokens, pairs, loads = built
         if tokens:
-            self._forwards.append(forward_ms)
+            self.forwards.add(tokens, pairs, forward_ms)
         if tokens >= block_size:
             self.compute.add(tokens, forward_ms)
         if (loads.dram or loads.ssd) and not failed:

@@ -131,28 +131,40 @@ def test_a_long_hit_with_the_same_rates_is_loaded():
     assert (est.load_ms, est.compute_ms) == (pytest.approx(5.2), pytest.approx(10.24))
 
 
-def test_auto_loads_a_further_hit_before_the_forward_where_it_delays_the_step_little():
+def test_auto_splits_a_burst_of_hits_into_a_wave_in_the_step_and_one_beside_it():
     """``load_async: auto`` on an engine that measured its rates (loads 0.1 ms + 0.01 ms a
-    block, 0.01 ms a token; a step's forward 0.78 ms, the median of the last 8): after the
-    step's first hit (sync), a full hit of 4 blocks (0.2 ms to load and compute, 2 requests
-    waiting: 0.4 ms) joins the step; one with 40 tokens left to compute (0.54 ms, 3 requests
-    waiting now) loads beside it, its request computing in a later step."""
+    block, 0.01 ms a token) with the node's block index mapped: nine requests arrive whose
+    4 blocks the index holds. The first loads before the step's forward; of the eight
+    further hits (0.14 ms to load, 0.06 ms to compute each) three join it, as the summed
+    waits of the step's requests and hits say (the index counts the hits still to come);
+    the other five load beside it, their requests computing in the next step."""
+    from kvray.index.block_index import BlockIndex, space_digests
+
     e = Engine(load_async="auto")
     e.loads(overhead_ms=0.1, per_block_ms=0.01)
     e.computes()  # the last step ran one request
-    first, external = e.admit(4, 4)
-    got = [(external, e.s.sched._reqs[first.request_id].load_async)]
-    e.s.alloc(first, [1, 2, 3, 4, 5], 64)
-    e.s.lookup.answer = answered(4, "not_stored")
-    short, long = e.request(4), e.request(4, tail=40)
-    for req, ids in ((short, [11, 12, 13, 14, 15]), (long, list(range(21, 28)))):
+    index = BlockIndex.create(1024)
+    index.touch()
+    e.s.lookup.index = index.spec
+    e.s.sched._lookups.warm_up()  # the node's index mapped, as at the engine's start
+    burst = [e.request(4) for _ in range(9)]
+    asked = len(e.s.lookup.asked)
+    for req in burst:
+        digests = space_digests(e.s.info.space, [hash_bytes(h) for h in req.block_hashes])
+        index.add(digests.ravel())
+        e.s.sched._lookups.drop(req.request_id)
+        e.s.sched.on_new_request(req)  # looked up again: the index answers on the spot
+    got = []
+    for i, req in enumerate(burst):
         got.append(e.s.sched.get_num_new_matched_tokens(req, 0))
-        e.s.alloc(req, ids, 64)
-    assert got == [(64, False), (64, False), (64, True)]
+        e.s.alloc(req, list(range(100 * i, 100 * i + 5)), 64)
+    assert len(e.s.lookup.asked) == asked  # (every lookup answered by the index)
+    assert got == [(64, False)] * 4 + [(64, True)] * 5
     meta = e.s.step({})
-    assert [op.req_id for op in meta.loads] == [first.request_id, short.request_id]
-    assert [op.req_id for op in meta.async_loads] == [long.request_id]
-    assert (e.s.stat("loads_joined_step"), e.s.stat("loads_beside_step")) == (1, 1)
+    assert [op.req_id for op in meta.loads] == [r.request_id for r in burst[:4]]
+    assert [op.req_id for op in meta.async_loads] == [r.request_id for r in burst[4:]]
+    assert (e.s.stat("loads_joined_step"), e.s.stat("loads_beside_step")) == (3, 5)
+    index.close()
 
 
 def test_the_ssd_tiers_rate_is_measured_apart_from_drams():

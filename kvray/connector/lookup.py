@@ -105,9 +105,10 @@ class Lookups:
         self._stats = stats
         self._warn = warn
         self._pending: dict[str, PendingLookup] = {}
-        self._hits_known: set[str] = set()
-        """Requests whose pending lookup the node's index answered with a hit: what a step
-        may still admit (``load_async: auto`` counts them)."""
+        self._may_hit: set[str] = set()
+        """Requests whose pending lookup the node's index answered with a hit, or a call
+        still answers: the hits a step may still admit (``load_async: auto`` counts
+        them)."""
         self._counts: dict[str, int] = {}
         """Lookup counters of the index's answers not yet reported to the Lookup actor."""
         self._counts_lock = threading.Lock()
@@ -275,24 +276,25 @@ class Lookups:
                 done = PendingLookup(None, time.monotonic(), first_block, 0.0, answer=answer)
                 self._pending[req_id] = done
                 if answer.hits:
-                    self._hits_known.add(req_id)
+                    self._may_hit.add(req_id)
                 else:
-                    self._hits_known.discard(req_id)
+                    self._may_hit.discard(req_id)
                 return done
         call = self._handle.lookup(self._space, hashes, self.timeout_s, want, wait_s, placement)
         pending = PendingLookup(call, time.monotonic(), first_block, self.timeout_s + wait_s, want)
         self._pending[req_id] = pending
-        self._hits_known.discard(req_id)
+        self._may_hit.add(req_id)
         return pending
 
-    def hits_known(self, besides: str) -> int:
-        """Requests other than ``besides`` whose lookups the node's index answered with a
-        hit, not yet taken by the scheduler (those answered by a call are not counted)."""
-        return len(self._hits_known) - (besides in self._hits_known)
+    def hits_to_come(self, besides: str) -> int:
+        """Requests other than ``besides`` not yet taken by the scheduler whose lookups
+        the node's index answered with a hit, or that a call still answers (counted as
+        hits: without the index, each request's answer comes only when it is taken)."""
+        return len(self._may_hit) - (besides in self._may_hit)
 
     def _forget(self, req_id: str) -> None:
         del self._pending[req_id]
-        self._hits_known.discard(req_id)
+        self._may_hit.discard(req_id)
 
     def get(self, req_id: str) -> PendingLookup | None:
         return self._pending.get(req_id)
@@ -306,7 +308,7 @@ class Lookups:
 
     def drop(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
-        self._hits_known.discard(req_id)
+        self._may_hit.discard(req_id)
 
     def drop_all(self) -> None:
         """Forget every lookup in flight (their requests look up again)."""
@@ -314,7 +316,7 @@ class Lookups:
             if pending.call is not None:
                 pending.call.cancel()
         self._pending.clear()
-        self._hits_known.clear()
+        self._may_hit.clear()
 
     def poll(self, req_id: str, pending: PendingLookup, *, wait: bool) -> Answer | None:
         """The answer of ``pending``, or None: not yet, ask again next step. ``wait``: the

@@ -359,14 +359,14 @@ class KVRayScheduler:
         forward (its request computes in the step); a further one joins it where this
         engine's rates say the waits of the step's requests and hits sum to less that way
         (:meth:`~kvray.connector.worth.Worth.joins_step`, which also counts the hits still
-        to come that the node's index answered), else it loads while the step computes and
+        to come: :meth:`~kvray.connector.lookup.Lookups.hits_to_come`), else it loads while the step computes and
         its request computes in a later step (so too while a rate is not measured yet)."""
         mode = self.info.config.load_async
         so_far = self._so_far
         if mode != "auto" or self.info.config.use_layerwise or not self._loads:
-            joins = mode is False or mode == "auto"
+            joins = mode is not True  # false; auto's first hit of a step, or layerwise
         else:
-            coming = self._lookups.hits_known(besides=rid)
+            coming = self._lookups.hits_to_come(besides=rid)
             joins = bool(self._worth.joins_step(blocks - ssd, ssd, tokens, context, so_far, coming))
             self.stats.add("loads_joined_step" if joins else "loads_beside_step")
         if joins:

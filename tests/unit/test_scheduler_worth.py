@@ -131,13 +131,15 @@ def test_a_long_hit_with_the_same_rates_is_loaded():
     assert (est.load_ms, est.compute_ms) == (pytest.approx(5.2), pytest.approx(10.24))
 
 
-def test_auto_splits_a_burst_of_hits_into_a_wave_in_the_step_and_one_beside_it():
+@pytest.mark.parametrize("with_index", [True, False])
+def test_auto_splits_a_burst_of_hits_into_a_wave_in_the_step_and_one_beside_it(with_index):
     """``load_async: auto`` on an engine that measured its rates (loads 0.1 ms + 0.01 ms a
-    block, 0.01 ms a token) with the node's block index mapped: nine requests arrive whose
-    4 blocks the index holds. The first loads before the step's forward; of the eight
-    further hits (0.14 ms to load, 0.06 ms to compute each) three join it, as the summed
-    waits of the step's requests and hits say (the index counts the hits still to come);
-    the other five load beside it, their requests computing in the next step."""
+    block, 0.01 ms a token): nine requests arrive whose 4 blocks the pool holds. The first
+    loads before the step's forward; of the eight further hits (0.14 ms to load, 0.06 ms
+    to compute each) three join it, as the summed waits of the step's requests and hits
+    say; the other five load beside it, their requests computing in the next step. The
+    hits still to come are counted from the node's block index (which answers on the
+    spot) or, without it, from the lookup calls still out."""
     from kvray.index.block_index import BlockIndex, space_digests
 
     e = Engine(load_async="auto")
@@ -145,20 +147,23 @@ def test_auto_splits_a_burst_of_hits_into_a_wave_in_the_step_and_one_beside_it()
     e.computes()  # the last step ran one request
     index = BlockIndex.create(1024)
     index.touch()
-    e.s.lookup.index = index.spec
-    e.s.sched._lookups.warm_up()  # the node's index mapped, as at the engine's start
+    if with_index:
+        e.s.lookup.index = index.spec
+        e.s.sched._lookups.warm_up()  # the node's index mapped, as at the engine's start
+    e.s.lookup.answer = answered(4)
     burst = [e.request(4) for _ in range(9)]
     asked = len(e.s.lookup.asked)
     for req in burst:
         digests = space_digests(e.s.info.space, [hash_bytes(h) for h in req.block_hashes])
         index.add(digests.ravel())
         e.s.sched._lookups.drop(req.request_id)
-        e.s.sched.on_new_request(req)  # looked up again: the index answers on the spot
+        e.s.sched.on_new_request(req)  # looked up again, the blocks stored now
     got = []
     for i, req in enumerate(burst):
         got.append(e.s.sched.get_num_new_matched_tokens(req, 0))
         e.s.alloc(req, list(range(100 * i, 100 * i + 5)), 64)
-    assert len(e.s.lookup.asked) == asked  # (every lookup answered by the index)
+    # (the index answered every lookup itself; without it, each went to the Lookup actor)
+    assert len(e.s.lookup.asked) - asked == (0 if with_index else 9)
     assert got == [(64, False)] * 4 + [(64, True)] * 5
     meta = e.s.step({})
     assert [op.req_id for op in meta.loads] == [r.request_id for r in burst[:4]]

@@ -359,8 +359,9 @@ class KVRayScheduler:
         forward (its request computes in the step); a further one joins it where this
         engine's rates say the waits of the step's requests and hits sum to less that way
         (:meth:`~kvray.connector.worth.Worth.joins_step`, which also counts the hits still
-        to come: :meth:`~kvray.connector.lookup.Lookups.hits_to_come`), else it loads while the step computes and
-        its request computes in a later step (so too while a rate is not measured yet)."""
+        to come: :meth:`~kvray.connector.lookup.Lookups.hits_to_come`), else it loads
+        while the step computes and its request computes in a later step (so too while a
+        rate is not measured yet)."""
         mode = self.info.config.load_async
         so_far = self._so_far
         if mode != "auto" or self.info.config.use_layerwise or not self._loads:

@@ -364,14 +364,14 @@ class KVRayScheduler:
         rate is not measured yet)."""
         mode = self.info.config.load_async
         so_far = self._so_far
+        cost = self._worth.hit_ms(blocks - ssd, ssd, tokens, context)
         if mode != "auto" or self.info.config.use_layerwise or not self._loads:
             joins = mode is not True  # false; auto's first hit of a step, or layerwise
         else:
             coming = self._lookups.hits_to_come(besides=rid)
-            joins = bool(self._worth.joins_step(blocks - ssd, ssd, tokens, context, so_far, coming))
+            joins = bool(self._worth.joins_step(cost, so_far, coming))
             self.stats.add("loads_joined_step" if joins else "loads_beside_step")
         if joins:
-            cost = self._worth.hit_ms(blocks - ssd, ssd, tokens, context)
             so_far.requests += 1
             so_far.loads += 1
             so_far.added_ms += sum(cost) if cost else 0.0

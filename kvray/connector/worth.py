@@ -137,9 +137,6 @@ class Forwards:
         self._samples.append((float(tokens), pairs, ms))
         self._dirty = True
 
-    def __len__(self) -> int:
-        return len(self._samples)
-
     def fit(self) -> StepCosts | None:
         if self._dirty:
             self._dirty = False
@@ -304,15 +301,14 @@ class Worth:
         return load, costs.request_ms(tokens, context)
 
     def joins_step(
-        self, dram: int, ssd: int, tokens: int, context: int, step: StepSoFar, coming: int
+        self, hit: tuple[float, float] | None, step: StepSoFar, coming: int
     ) -> bool | None:
-        """Whether a step's further hit (``load_async: auto``) of ``dram`` + ``ssd`` blocks,
-        with ``tokens`` left to compute after ``context``, loads before the step's forward,
-        the step holding ``step`` so far and ``coming`` more hits to weigh: the sum of the
-        waits of the step's requests and of its hits outside it, each to the end of the
-        step it computes in, is no larger with this hit in the step than beside it (see
-        the module). None: a rate is not measured yet."""
-        hit = self.hit_ms(dram, ssd, tokens, context)
+        """Whether a step's further hit (``load_async: auto``) that adds ``hit`` to a
+        forward (:meth:`hit_ms`) loads before the step's forward, the step holding ``step``
+        so far and ``coming`` more hits to weigh: the sum of the waits of the step's
+        requests and of its hits outside it, each to the end of the step it computes in,
+        is no larger with this hit in the step than beside it (see the module). None: a
+        rate is not measured yet."""
         costs = self.forwards.fit()
         if hit is None or costs is None:
             return None

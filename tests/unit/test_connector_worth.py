@@ -135,7 +135,7 @@ def hits_of(w: Worth, n: int, running: int) -> list[bool | None]:
     step = StepSoFar(requests=running + 1, loads=1, added_ms=sum(first) if first else 0.0)
     out = []
     for coming in reversed(range(n)):
-        joins = w.joins_step(4, 0, 6, 64, step, coming)
+        joins = w.joins_step(w.hit_ms(4, 0, 6, 64), step, coming)
         out.append(joins)
         if joins:
             cost = w.hit_ms(4, 0, 6, 64)
@@ -158,13 +158,13 @@ def test_a_burst_of_hits_splits_into_a_wave_in_the_step_and_one_beside_it():
     hit, on an engine running a request, loads beside the step: its load would hold up
     both requests already in it."""
     w = Worth()
-    assert w.joins_step(4, 0, 6, 64, StepSoFar(requests=1), 0) is None  # not measured
+    assert w.joins_step(w.hit_ms(4, 0, 6, 64), StepSoFar(requests=1), 0) is None  # not measured
     for step in range(1, MIN_SAMPLES + 1):  # loads: 0.1 ms + 0.1 ms a block
         blocks = 1 + step % 4
         w.planned(f"r{step}", blocks, 0, load_async=False)
         w.step_built(step, 0)
         w.step_done(step, 0.0, 0.1 + 0.1 * blocks, BS, failed=False)
-    assert w.joins_step(4, 0, 6, 64, StepSoFar(requests=1), 0) is None  # no forward yet
+    assert w.joins_step(w.hit_ms(4, 0, 6, 64), StepSoFar(requests=1), 0) is None  # no forward yet
     plane_steps(w, 0.6, 0.01, 1.14 / attention_pairs(6, 64))
     assert hits_of(w, 11, running=1) == [True] * 3 + [False] * 8
     assert hits_of(w, 1, running=1) == [False]
